@@ -1,0 +1,59 @@
+"""`skewserve` command line, run as a real subprocess."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import tritonclient.http as httpclient
+
+SKEWSERVE = [sys.executable, "-m", "skewserve.cli"]
+
+
+def test_help_shows_the_product_shape() -> None:
+    out = subprocess.run([*SKEWSERVE, "--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("triton",):
+        assert command in out
+
+
+def test_triton_up_serves_until_interrupted(affine_repo: Path, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [*SKEWSERVE, "triton", "up", "--repo", str(affine_repo), "--regions", "us-east,eu-west",
+         "--per-region", "1", "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "press Ctrl-C" in line:
+            break
+    text = "".join(lines)
+    urls = re.findall(r"http://127\.0\.0\.1:(\d+)\s", text)
+    assert "us-east" in text and "eu-west" in text, text
+    assert len(urls) >= 2, text
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{urls[0]}")
+    x = np.ones((1, 4), dtype=np.float32)
+    inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+    inp.set_data_from_numpy(x)
+    np.testing.assert_array_equal(client.infer("affine", [inp]).as_numpy("OUTPUT0"), x * 2 + 1)
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert "stopped all servers" in rest
+
+
+def test_triton_up_rejects_empty_regions(affine_repo: Path) -> None:
+    res = subprocess.run([*SKEWSERVE, "triton", "up", "--repo", str(affine_repo), "--regions", ","],
+                         capture_output=True, text=True)
+    assert res.returncode != 0
+    assert "give at least one region name" in res.stdout + res.stderr

@@ -1,0 +1,109 @@
+"""The local tritonserver runtime against real processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from skewserve.errors import ModelLoadError, PortInUse, TritonNotInstalled
+from skewserve.triton_dist import PreparedTriton, prepare_triton, server_environment
+from skewserve.triton_process import TritonFleet, TritonServer, TritonServerSpec
+from tests.fixtures_models import write_affine_model
+
+X = np.arange(8, dtype=np.float32).reshape(2, 4)
+
+
+def _infer_http(url: str) -> np.ndarray:
+    client = httpclient.InferenceServerClient(url)
+    inp = httpclient.InferInput("INPUT0", list(X.shape), "FP32")
+    inp.set_data_from_numpy(X, binary_data=True)
+    return client.infer("affine", [inp]).as_numpy("OUTPUT0")
+
+
+def _infer_grpc(address: str) -> np.ndarray:
+    client = grpcclient.InferenceServerClient(address)
+    inp = grpcclient.InferInput("INPUT0", list(X.shape), "FP32")
+    inp.set_data_from_numpy(X)
+    return client.infer("affine", [inp]).as_numpy("OUTPUT0")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_prepared_copy_has_stub_and_never_touches_site_packages(prepared_triton: PreparedTriton) -> None:
+    assert prepared_triton.binary.is_file()
+    assert (prepared_triton.backend_directory / "python" / "triton_python_backend_stub").is_file()
+    assert "site-packages" not in str(prepared_triton.root)
+    assert prepare_triton().root == prepared_triton.root  # built once, reused
+
+
+def test_missing_stub_names_python_version(prepared_triton: PreparedTriton) -> None:
+    with pytest.raises(TritonNotInstalled, match=r"no Python backend stub for Python 2\.7 .*it has 3\.10"):
+        prepare_triton(version="2.7")
+
+
+def test_environment_puts_venv_first_and_libpython_on_loader_path() -> None:
+    import sys
+    import sysconfig
+
+    env = server_environment({"PATH": "/usr/bin"})
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+    assert sysconfig.get_config_var("LIBDIR") in env["LD_LIBRARY_PATH"].split(os.pathsep)
+
+
+def test_serves_http_and_grpc_with_local_profile(affine_repo: Path, log_dir: Path, prepared_triton: PreparedTriton) -> None:
+    spec = TritonServerSpec(repository=affine_repo, region="us-east", name="a")
+    with TritonServer(spec, log_dir, prepared_triton) as server:
+        np.testing.assert_array_equal(_infer_http(server.http_address), X * 2 + 1)
+        np.testing.assert_array_equal(_infer_grpc(server.grpc_address), X * 2 + 1)
+        assert server.log_path.read_text()  # log streamed to its file
+        pid = server.pid
+    assert pid is not None and not _alive(pid)
+
+
+def test_two_regions_at_once_and_clean_stop(affine_repo: Path, log_dir: Path) -> None:
+    fleet = TritonFleet.for_regions(affine_repo, ["us-east", "eu-west"], 1, log_dir)
+    with fleet:
+        assert sorted(fleet.by_region()) == ["eu-west", "us-east"]
+        ports = {s.http_port for s in fleet.servers} | {s.grpc_port for s in fleet.servers}
+        assert len(ports) == 4
+        for s in fleet.servers:
+            np.testing.assert_array_equal(_infer_grpc(s.grpc_address), X * 2 + 1)
+        pids = [s.pid for s in fleet.servers]
+    assert all(p is not None and not _alive(p) for p in pids)
+
+
+def test_failing_model_reports_tritons_reason(tmp_path: Path, log_dir: Path, prepared_triton: PreparedTriton) -> None:
+    repo = tmp_path / "repo"
+    write_affine_model(repo, "broken", fail_reason="weights file is missing: w.bin")
+    spec = TritonServerSpec(repository=repo, name="broken")
+    server = TritonServer(spec, log_dir, prepared_triton)
+    with pytest.raises(ModelLoadError, match="weights file is missing: w.bin"):
+        server.start()
+    assert not server.is_running()
+
+
+def test_taken_port_is_refused_with_its_number(affine_repo: Path, log_dir: Path, prepared_triton: PreparedTriton) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        spec = TritonServerSpec(repository=affine_repo, http_port=port)
+        with pytest.raises(PortInUse, match=f"port {port} on 127.0.0.1 is already in use"):
+            TritonServer(spec, log_dir, prepared_triton).start()
+
+
+def test_missing_repository_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is not a directory; export a model first"):
+        TritonServerSpec(repository=tmp_path / "nope")
