@@ -1,0 +1,1 @@
+"""Skew-balanced distributed training that produces a deployable artifact directory."""

@@ -1,0 +1,23 @@
+"""Exception tree of training.
+
+TrainingError
+ +-- DataError          the data set is unusable; the message names the column / class / count
+ +-- ConfigError        settings contradict each other; the message names the field and the fix
+ +-- CheckpointError    a checkpoint cannot be resumed from
+"""
+
+
+class TrainingError(Exception):
+    pass
+
+
+class DataError(TrainingError):
+    pass
+
+
+class ConfigError(TrainingError):
+    pass
+
+
+class CheckpointError(TrainingError):
+    pass
