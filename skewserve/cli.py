@@ -185,6 +185,77 @@ def print_training_summary(meta: dict, out: Path) -> None:
     )
 
 
+@app.command("export")
+def export_command(
+    artifact: Path = typer.Option(..., "--artifact", help="Artifact directory written by `skewserve train`."),
+    repo: Path = typer.Option(Path("model_repository"), "--repo", help="Triton model repository."),
+    name: str = typer.Option(..., "--name", help="Model name (folder and URL part)."),
+    version: int | None = typer.Option(None, "--version", help="Version to publish; default max+1. Never overwrites."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32 | fp16 (FP32 at the boundary)."),
+    tensorrt: str = typer.Option("auto", "--tensorrt", help="auto | on | off: TensorRT plan on a CUDA GPU."),
+    max_batch: int = typer.Option(64, "--max-batch", min=1, help="Triton max_batch_size and parity batch range."),
+    response_cache: bool = typer.Option(False, "--response-cache", help="Enable Triton's response cache in the configs."),
+) -> None:
+    """Compile an artifact to ONNX (+ TensorRT on GPU), check parity, publish a new immutable version."""
+    from exporter.errors import ExportError
+    from exporter.pipeline import export_artifact
+    from exporter.triton_config import ConfigOptions
+
+    _setup_logging(False)
+    logging.getLogger("onnx_ir").setLevel(logging.WARNING)
+    try:
+        with console.status(f"exporting {artifact} as {name}"):
+            result = export_artifact(artifact, repo, name, version=version, precision=precision, tensorrt=tensorrt,
+                                     options=ConfigOptions(max_batch_size=max_batch, response_cache=response_cache))
+    except (ExportError, FileNotFoundError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    for notice in result.notices:
+        console.print(f"[yellow]notice:[/yellow] {notice}")
+    for report in result.parity:
+        console.print(f"parity {report.summary()}")
+    console.print(f"published {result.published.name} version {result.published.version} at {result.published.path}")
+
+
+@app.command("rollout")
+def rollout_command(
+    name: str = typer.Argument(..., help="Model name."),
+    version: int = typer.Option(..., "--version", help="Published version to roll out."),
+    servers: str | None = typer.Option(None, "--servers", help="Comma-separated Triton HTTP URLs (explicit model-control mode)."),
+    regions: str | None = typer.Option(None, "--regions", help="Regions from the gateway config (--config), instead of --servers."),
+    config: Path | None = typer.Option(None, "--config", help="Gateway config file, with --regions."),
+    repo: Path = typer.Option(Path("model_repository"), "--repo"),
+    ready_timeout: float = typer.Option(60.0, "--ready-timeout"),
+) -> None:
+    """Load a version on running Triton servers one by one, canary-check each, roll back on failure."""
+    from exporter.errors import RolloutError
+    from exporter.rollout import rollout
+
+    _setup_logging(False)
+    urls = [u.strip() for u in (servers or "").split(",") if u.strip()]
+    if regions:
+        if config is None:
+            raise typer.BadParameter("--regions needs --config (the gateway config naming the servers)", param_hint="--regions")
+        from gateway.config import load_gateway_config
+
+        gw = load_gateway_config(config)
+        wanted = {r.strip() for r in regions.split(",") if r.strip()}
+        unknown = wanted - {r.name for r in gw.regions}
+        if unknown:
+            raise typer.BadParameter(f"regions {sorted(unknown)} are not in {config}", param_hint="--regions")
+        urls += [f"http://{s.http}" for r in gw.regions if r.name in wanted for s in r.servers]
+    if not urls:
+        raise typer.BadParameter("give --servers URL,... or --regions with --config", param_hint="--servers")
+    try:
+        done = rollout(name, version, urls, repo, ready_timeout_s=ready_timeout)
+    except RolloutError as exc:
+        console.print(f"[red]rollout failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    for r in done:
+        console.print(f"{r.server}: version {version} ready in {r.ready_s:.1f}s, canary max |Δp| {r.canary_max_abs_error:.1e} "
+                      f"(was serving {', '.join(r.previous_versions) or 'nothing'})")
+
+
 def main() -> None:
     app()
 

@@ -28,3 +28,24 @@ def log_dir(tmp_path: Path) -> Iterator[Path]:
     d = tmp_path / "logs"
     d.mkdir()
     yield d
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from training.synth import SynthSpec, write
+
+    d = tmp_path_factory.mktemp("lt_data")
+    write(SynthSpec(n_classes=5, imbalance_ratio=20, n_max=400, n_features=8, n_informative=6,
+                    n_val_per_class=40, n_test_per_class=40, seed=2), d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def small_artifact(tmp_path_factory: pytest.TempPathFactory, small_data: Path) -> Path:
+    """A real (small) trained artifact, shared by exporter and gateway tests."""
+    from training.config import TrainConfig
+    from training.launch import train
+
+    out = tmp_path_factory.mktemp("artifact") / "art"
+    train(TrainConfig(data_dir=small_data, out_dir=out, epochs=4, width=32, progress=False))
+    return out

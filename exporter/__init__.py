@@ -1,0 +1,1 @@
+"""Artifact -> ONNX (FP32/FP16) [-> TensorRT] -> parity-checked, versioned Triton model repository."""

@@ -1,0 +1,136 @@
+"""Versioned, atomic publishes into a Triton model repository.
+
+A version is assembled in `<model>/.tmp-<uuid>` (Triton ignores non-integer version folders), then,
+under an exclusive file lock on the model folder, given the next free integer and renamed into place.
+Model-level files (configs, labels) are replaced with atomic renames in the same critical section.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from exporter.errors import PublishError
+from exporter.triton_config import LOCAL_PROFILE, parse
+
+logger = logging.getLogger(__name__)
+STAGING_PREFIX = ".tmp-"
+CARD = "model_card.json"
+
+
+@dataclass(frozen=True)
+class Published:
+    name: str
+    version: int
+    path: Path
+
+
+def published_versions(model_dir: Path) -> list[int]:
+    """Integer version folders that are complete (hold their model card)."""
+    if not model_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in model_dir.iterdir() if p.name.isdigit() and (p / CARD).is_file())
+
+
+@contextlib.contextmanager
+def model_lock(model_dir: Path, timeout_s: float = 120.0) -> Iterator[None]:
+    model_dir.mkdir(parents=True, exist_ok=True)
+    with open(model_dir / ".publish.lock", "a+") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise PublishError(f"another export holds {model_dir}/.publish.lock for over {timeout_s:.0f}s") from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def new_staging_dir(model_dir: Path) -> Path:
+    model_dir.mkdir(parents=True, exist_ok=True)
+    clean_stale_staging(model_dir)
+    path = model_dir / f"{STAGING_PREFIX}{uuid.uuid4().hex[:12]}-{os.getpid()}"
+    path.mkdir()
+    return path
+
+
+def clean_stale_staging(model_dir: Path) -> None:
+    """Remove staging folders left by killed exports (their pid no longer runs)."""
+    for p in model_dir.glob(f"{STAGING_PREFIX}*"):
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except (ValueError, IndexError, ProcessLookupError):
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _check_compatible(model_dir: Path, new_local_config: str) -> None:
+    """Versions of one model share its config: a new version must keep the tensor contract."""
+    existing = model_dir / "configs" / f"{LOCAL_PROFILE}.pbtxt"
+    if not existing.is_file() or not published_versions(model_dir):
+        return
+    old, new = parse(existing.read_text()), parse(new_local_config)
+
+    def shape(cfg: object) -> list[tuple[str, int, tuple[int, ...]]]:
+        return [(t.name, t.data_type, tuple(t.dims)) for t in list(cfg.input) + list(cfg.output)]  # type: ignore[attr-defined]
+
+    if shape(old) != shape(new):
+        raise PublishError(
+            f"the new version changes {model_dir.name}'s tensors ({shape(old)} -> {shape(new)}); versions of one "
+            "model share one config: publish it under a new --name"
+        )
+
+
+def publish_version(
+    model_dir: Path,
+    staging: Path,
+    model_files: dict[str, str],
+    version: int | None = None,
+) -> Published:
+    """Rename a complete staging folder into `<model_dir>/<version>` and write model-level files.
+
+    `model_files` maps paths relative to the model folder (config.pbtxt, configs/local.pbtxt,
+    labels.txt) to their text.
+    """
+    if not (staging / CARD).is_file():
+        raise PublishError(f"staging folder {staging} has no {CARD}; refusing to publish an incomplete version")
+    local_key = f"configs/{LOCAL_PROFILE}.pbtxt"
+    with model_lock(model_dir):
+        if local_key in model_files:
+            _check_compatible(model_dir, model_files[local_key])
+        taken = published_versions(model_dir) + [int(p.name) for p in model_dir.iterdir() if p.name.isdigit()]
+        if version is None:
+            version = max(taken, default=0) + 1
+        elif version < 1:
+            raise PublishError(f"version must be a positive integer, got {version}")
+        elif version in taken:
+            raise PublishError(f"{model_dir.name} version {version} already exists; versions are immutable: omit --version to take {max(taken) + 1}")
+        # Model-level files first: Triton reads them when it loads the new version folder.
+        for rel, text in model_files.items():
+            _atomic_write(model_dir / rel, text)
+        target = model_dir / str(version)
+        os.rename(staging, target)
+    logger.info("published %s version %d", model_dir.name, version)
+    return Published(model_dir.name, version, target)

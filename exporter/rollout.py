@@ -1,0 +1,106 @@
+"""Roll a published version onto running Triton servers (explicit model-control mode), one by one.
+
+Per server: ask it to (re)load the model through the repository API, wait for the version to be
+ready, run the canary rows stored in the version's model card and compare with the exporter's
+reference outputs, then move on. On any failure the server is reloaded with the versions it served
+before (a config override pinning them), and the rollout stops with the server and Triton's reason.
+While a model reloads, Triton keeps serving the versions already loaded, so clients see no error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from exporter.contract import INPUT_NAME, PROBABILITIES
+from exporter.errors import RolloutError
+from exporter.publish import CARD
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerRollout:
+    server: str
+    previous_versions: list[str]
+    ready_s: float
+    canary_max_abs_error: float
+
+
+def _ready_versions(client: httpclient.InferenceServerClient, name: str) -> list[str]:
+    index = client.get_model_repository_index()
+    return sorted((m["version"] for m in index if m.get("name") == name and m.get("state") == "READY" and m.get("version")), key=int)
+
+
+def _canary(client: httpclient.InferenceServerClient, name: str, version: int, card: dict[str, Any]) -> float:
+    x = np.asarray(card["canary"]["inputs"], dtype=np.float32)
+    inp = httpclient.InferInput(INPUT_NAME, list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=True)
+    result = client.infer(name, [inp], model_version=str(version), outputs=[httpclient.InferRequestedOutput(PROBABILITIES)])
+    got = result.as_numpy(PROBABILITIES)
+    want = np.asarray(card["canary"]["outputs"][PROBABILITIES], dtype=np.float32)
+    return float(np.abs(got - want).max())
+
+
+def _rollback(client: httpclient.InferenceServerClient, name: str, previous: list[str]) -> str:
+    if not previous:
+        client.unload_model(name)
+        return "unloaded (no earlier version was serving)"
+    config = client.get_model_config(name)
+    config["version_policy"] = {"specific": {"versions": [int(v) for v in previous]}}
+    client.load_model(name, config=json.dumps(config))
+    return f"pinned back to version(s) {', '.join(previous)}"
+
+
+def rollout(
+    name: str,
+    version: int,
+    servers: list[str],
+    repo: Path,
+    ready_timeout_s: float = 60.0,
+) -> list[ServerRollout]:
+    """Load `version` of `name` on each server in turn; raise RolloutError after rolling back a failure."""
+    card_path = Path(repo) / name / str(version) / CARD
+    if not card_path.is_file():
+        raise RolloutError(f"{name} version {version} is not published in {repo} (no {CARD}); export it first")
+    card = json.loads(card_path.read_text())
+    tolerance = float(card["canary"]["tolerance"])
+    done: list[ServerRollout] = []
+    for server in servers:
+        address = server.removeprefix("http://")
+        client = httpclient.InferenceServerClient(address, connection_timeout=10.0, network_timeout=120.0)
+        try:
+            previous = _ready_versions(client, name)
+        except InferenceServerException as exc:
+            raise RolloutError(f"{server}: cannot read the repository index: {exc.message()}") from exc
+        started = time.monotonic()
+        try:
+            client.load_model(name)
+            deadline = started + ready_timeout_s
+            while not client.is_model_ready(name, str(version)):
+                if time.monotonic() > deadline:
+                    raise RolloutError(f"{server}: {name} version {version} not ready after {ready_timeout_s:.0f}s")
+                time.sleep(0.1)
+            ready_s = time.monotonic() - started
+            err = _canary(client, name, version, card)
+            if err > tolerance:
+                raise RolloutError(f"{server}: canary for {name} version {version} differs from the exporter's reference by {err:.2e} (limit {tolerance:.0e})")
+        except (RolloutError, InferenceServerException) as exc:
+            reason = exc.message() if isinstance(exc, InferenceServerException) else str(exc)
+            try:
+                action = _rollback(client, name, previous)
+            except InferenceServerException as rb:
+                action = f"rollback failed too: {rb.message()}"
+            prefix = "" if reason.startswith(server) else f"{server}: "
+            raise RolloutError(f"{prefix}{reason}; {action}") from exc
+        logger.info("%s: %s version %d ready in %.1fs, canary max |Δp| %.1e", server, name, version, ready_s, err)
+        done.append(ServerRollout(server, previous, ready_s, err))
+    return done

@@ -1,0 +1,177 @@
+"""Export artifacts and serve them with a real local tritonserver."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from exporter.contract import ServingContract
+from exporter.errors import ParityError, PublishError, TensorRTUnavailable
+from exporter.graph import ServingModule
+from exporter.parity import compare, require, torch_runner
+from exporter.pipeline import FAULT_ENV, export_artifact
+from exporter.publish import published_versions
+from exporter.tensorrt_build import tensorrt_unavailable_reason
+from exporter.triton_config import ConfigOptions, gpu_config, local_config, parse, render
+from skewserve.triton_dist import PreparedTriton
+from skewserve.triton_process import TritonServer, TritonServerSpec
+from training.artifact import load_model
+
+
+def _rows(n: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((n, 8)) * 20).astype(np.float32)
+
+
+def _reference(artifact: Path, x: np.ndarray) -> dict[str, np.ndarray]:
+    model, _ = load_model(artifact)
+    logits, probs, label = ServingModule(model)(torch.from_numpy(x))
+    return {"logits": logits.detach().numpy(), "probabilities": probs.detach().numpy(), "label": label.numpy()}
+
+
+@pytest.fixture(scope="module")
+def served(small_artifact: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton):
+    repo = tmp_path_factory.mktemp("repo")
+    export_artifact(small_artifact, repo, "lt", tensorrt="off")
+    export_artifact(small_artifact, repo, "lt16", precision="fp16", tensorrt="off")
+    server = TritonServer(TritonServerSpec(repository=repo, name="exp"), tmp_path_factory.mktemp("logs"), prepared_triton)
+    with server:
+        yield server, repo
+
+
+def test_http_and_grpc_outputs_equal_pytorch(served, small_artifact: Path) -> None:
+    server, _ = served
+    x = _rows(5)
+    want = _reference(small_artifact, x)
+    h = httpclient.InferenceServerClient(server.http_address)
+    for binary in (True, False):
+        inp = httpclient.InferInput("features", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=binary)
+        out = h.infer("lt", [inp])
+        np.testing.assert_allclose(out.as_numpy("probabilities"), want["probabilities"], atol=1e-5)
+        np.testing.assert_allclose(out.as_numpy("logits"), want["logits"], atol=1e-4, rtol=1e-5)
+        np.testing.assert_array_equal(out.as_numpy("label"), want["label"])
+    g = grpcclient.InferenceServerClient(server.grpc_address)
+    ginp = grpcclient.InferInput("features", list(x.shape), "FP32")
+    ginp.set_data_from_numpy(x)
+    gout = g.infer("lt", [ginp])
+    np.testing.assert_allclose(gout.as_numpy("probabilities"), want["probabilities"], atol=1e-5)
+    np.testing.assert_array_equal(gout.as_numpy("label"), want["label"])
+    half = g.infer("lt16", [ginp])
+    assert half.as_numpy("probabilities").dtype == np.float32  # FP32 at the boundary
+    np.testing.assert_allclose(half.as_numpy("probabilities"), want["probabilities"], atol=1e-2)
+
+
+def test_classification_extension_returns_class_names(served, small_artifact: Path) -> None:
+    server, _ = served
+    x = _rows(2, seed=1)
+    want = _reference(small_artifact, x)["probabilities"]
+    _, meta = load_model(small_artifact)
+    h = httpclient.InferenceServerClient(server.http_address)
+    inp = httpclient.InferInput("features", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    out = h.infer("lt", [inp], outputs=[httpclient.InferRequestedOutput("probabilities", class_count=2)])
+    top = out.as_numpy("probabilities")
+    for row, entries in enumerate(top):
+        score, index, name = entries[0].decode().split(":")
+        assert int(index) == int(want[row].argmax())
+        assert name == meta["classes"][int(index)]
+        assert abs(float(score) - want[row].max()) < 1e-4
+
+
+def test_every_written_config_parses_against_the_schema(served) -> None:
+    _, repo = served
+    for path in list(repo.glob("*/config.pbtxt")) + list(repo.glob("*/configs/*.pbtxt")):
+        cfg = parse(path.read_text())
+        assert cfg.max_batch_size == 64 and cfg.version_policy.latest.num_versions == 2
+    gpu = parse((repo / "lt" / "config.pbtxt").read_text())
+    assert gpu.backend == "onnxruntime" and gpu.instance_group[0].kind == gpu.instance_group[0].KIND_GPU
+    assert list(gpu.dynamic_batching.preferred_batch_size) == [8, 32] and gpu.model_warmup
+    assert (repo / "lt" / "labels.txt").read_text().splitlines() == load_model_classes(repo)
+
+
+def load_model_classes(repo: Path) -> list[str]:
+    import json
+
+    return json.loads((repo / "lt" / "1" / "model_card.json").read_text())["artifact"]["metadata"]["classes"]
+
+
+def test_config_options_reach_the_config() -> None:
+    contract = ServingContract(n_features=3, classes=("a", "b"), feature_names=("x", "y", "z"))
+    opts = ConfigOptions(max_batch_size=16, preferred_batch_sizes=[4, 32], max_queue_delay_us=250, gpu_instances=2,
+                         keep_versions=3, response_cache=True, warmup_batch=4, ort_threads=2)
+    gpu = parse(render(gpu_config("m", contract, opts, tensorrt_plan=True)))
+    assert gpu.platform == "tensorrt_plan" and gpu.default_model_filename == "model.plan"
+    assert gpu.max_batch_size == 16 and list(gpu.dynamic_batching.preferred_batch_size) == [4]
+    assert gpu.dynamic_batching.max_queue_delay_microseconds == 250 and gpu.instance_group[0].count == 2
+    assert gpu.version_policy.latest.num_versions == 3 and gpu.response_cache.enable
+    assert gpu.model_warmup[0].batch_size == 4
+    local = parse(render(local_config("m", contract, opts)))
+    assert local.backend == "python" and local.parameters["intra_op_threads"].string_value == "2"
+
+
+def test_parity_failure_refuses_with_figures(small_artifact: Path) -> None:
+    model, _ = load_model(small_artifact)
+    ref = torch_runner(ServingModule(model))
+
+    def skewed(x: np.ndarray) -> dict[str, np.ndarray]:
+        out = ref(x)
+        return out | {"probabilities": out["probabilities"] + 1e-3}
+
+    report = compare(ref, skewed, [_rows(4)], "onnxruntime", "fp32")
+    with pytest.raises(ParityError, match=r"parity failed for onnxruntime fp32: max \|Δp\| 1.00e-03 \(limit 1e-04\)"):
+        require(report)
+
+
+def test_versions_are_immutable_and_numbered(small_artifact: Path, tmp_path: Path) -> None:
+    assert export_artifact(small_artifact, tmp_path, "m", tensorrt="off").published.version == 1
+    assert export_artifact(small_artifact, tmp_path, "m", version=5, tensorrt="off").published.version == 5
+    with pytest.raises(PublishError, match="m version 5 already exists; versions are immutable: omit --version to take 6"):
+        export_artifact(small_artifact, tmp_path, "m", version=5, tensorrt="off")
+    assert export_artifact(small_artifact, tmp_path, "m", tensorrt="off").published.version == 6
+
+
+def test_killed_export_leaves_no_visible_version(small_artifact: Path, tmp_path: Path) -> None:
+    script = f"from exporter.pipeline import export_artifact; export_artifact({str(small_artifact)!r}, {str(tmp_path)!r}, 'm', tensorrt='off')"
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, FAULT_ENV: "before-publish"}, capture_output=True)
+    assert proc.returncode == 137
+    model_dir = tmp_path / "m"
+    assert [p.name for p in model_dir.iterdir() if p.name.startswith(".tmp-")], "staging folder should remain"
+    assert published_versions(model_dir) == [] and not any(p.name.isdigit() for p in model_dir.iterdir())
+    assert export_artifact(small_artifact, tmp_path, "m", tensorrt="off").published.version == 1
+    assert not [p for p in model_dir.iterdir() if p.name.startswith(".tmp-")]  # stale staging cleaned
+
+
+def test_concurrent_exports_take_distinct_versions(small_artifact: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "skewserve.cli", "export", "--artifact", str(small_artifact), "--repo", str(tmp_path),
+           "--name", "m", "--tensorrt", "off"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert published_versions(tmp_path / "m") == [1, 2, 3]
+
+
+def test_tensorrt_on_without_gpu_is_a_clear_error(small_artifact: Path, tmp_path: Path) -> None:
+    reason = tensorrt_unavailable_reason()
+    if reason is None:
+        pytest.skip("a GPU with TensorRT is present; the GPU test covers this machine")
+    with pytest.raises(TensorRTUnavailable, match=f"--tensorrt on, but {reason}"):
+        export_artifact(small_artifact, tmp_path, "m", tensorrt="on")
+    assert not (tmp_path / "m").exists() or published_versions(tmp_path / "m") == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(tensorrt_unavailable_reason() is not None, reason=f"TensorRT path needs a CUDA GPU: {tensorrt_unavailable_reason()}")
+def test_tensorrt_plan_builds_and_matches_onnxruntime(small_artifact: Path, tmp_path: Path) -> None:
+    result = export_artifact(small_artifact, tmp_path, "m", precision="fp16", tensorrt="on")
+    assert result.tensorrt and (result.published.path / "model.plan").is_file()
+    assert result.parity[-1].target == "tensorrt" and result.parity[-1].passed
+    assert (tmp_path / ".tensorrt_timing_cache").is_file()
+    assert parse((tmp_path / "m" / "config.pbtxt").read_text()).platform == "tensorrt_plan"

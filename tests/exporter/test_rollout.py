@@ -1,0 +1,80 @@
+"""Rollout onto two live servers under client traffic; a broken version rolls back."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from exporter.errors import RolloutError
+from exporter.pipeline import export_artifact
+from exporter.rollout import rollout
+from skewserve.triton_dist import PreparedTriton
+from skewserve.triton_process import TritonServer, TritonServerSpec
+
+
+@pytest.mark.slow
+def test_rollout_with_live_traffic_then_broken_version_rolls_back(
+    small_artifact: Path, tmp_path: Path, prepared_triton: PreparedTriton
+) -> None:
+    repo = tmp_path / "repo"
+    export_artifact(small_artifact, repo, "lt", tensorrt="off")
+    specs = [TritonServerSpec(repository=repo, name=f"s{i}", model_control_mode="explicit", load_models=("lt",)) for i in range(2)]
+    servers = [TritonServer(s, tmp_path / "logs", prepared_triton) for s in specs]
+    for s in servers:
+        s.start()
+    try:
+        export_artifact(small_artifact, repo, "lt", tensorrt="off")  # version 2, not loaded yet
+        stop = threading.Event()
+        results = {"ok": 0, "failed": []}
+        x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+
+        def client_loop(address: str) -> None:
+            client = httpclient.InferenceServerClient(address)
+            while not stop.is_set():
+                inp = httpclient.InferInput("features", list(x.shape), "FP32")
+                inp.set_data_from_numpy(x)
+                try:
+                    client.infer("lt", [inp])
+                    results["ok"] += 1
+                except Exception as exc:  # every failure is recorded, none ignored
+                    results["failed"].append(repr(exc))
+
+        threads = [threading.Thread(target=client_loop, args=(s.http_address,)) for s in servers]
+        for t in threads:
+            t.start()
+        urls = [s.http_url for s in servers]
+        done = rollout("lt", 2, urls, repo)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert results["failed"] == [] and results["ok"] > 0
+        assert [d.previous_versions for d in done] == [["1"], ["1"]]
+        for s in servers:
+            c = httpclient.InferenceServerClient(s.http_address)
+            assert c.is_model_ready("lt", "2")
+            assert c.get_model_metadata("lt")["versions"] == ["1", "2"]
+
+        # a broken version 3: published files intact, weights corrupted
+        shutil.copytree(repo / "lt" / "2", repo / "lt" / "3")
+        (repo / "lt" / "3" / "model.onnx").write_bytes(b"not an onnx model")
+        with pytest.raises(RolloutError, match=rf"(?s)^{urls[0]}: .*pinned back to version\(s\) 1, 2"):
+            rollout("lt", 3, urls, repo)
+        c0 = httpclient.InferenceServerClient(servers[0].http_address)
+        assert c0.is_model_ready("lt", "2") and not c0.is_model_ready("lt", "3")
+        inp = httpclient.InferInput("features", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        c0.infer("lt", [inp])  # still serving
+        assert not httpclient.InferenceServerClient(servers[1].http_address).is_model_ready("lt", "3")  # never reached
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_rollout_of_unpublished_version_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(RolloutError, match="lt version 9 is not published"):
+        rollout("lt", 9, ["http://127.0.0.1:1"], tmp_path)
