@@ -94,7 +94,7 @@ def balance(work: Path, epochs: int) -> None:
     for on in (False, True):
         out = work / f"balance-{on}"
         cfg = TrainConfig(data_dir=data, out_dir=out, epochs=epochs, nproc=2, slow_rank=1, slow_factor=2.0,
-                          speed_balance=on, width=256, depth=3, global_batch_size=512, patience=None, progress=False)
+                          speed_balance=on, width=512, depth=3, global_batch_size=2048, patience=None, progress=False)
         train(cfg, log_path=work / f"balance-{on}.log")
         epochs_log = [json.loads(line) for line in (out / "checkpoints" / "monitor-epochs.jsonl").read_text().splitlines()]
         steady = epochs_log[1:] or epochs_log  # epoch 0 includes the balancer's first measurements
@@ -108,6 +108,7 @@ def balance(work: Path, epochs: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one seed, fewer epochs")
+    parser.add_argument("--only", choices=["quality", "balance"], help="run one part")
     args = parser.parse_args()
     import os
     import platform
@@ -115,8 +116,10 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}; {time.strftime('%Y-%m-%d')}")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        quality(work, epochs=15 if args.quick else 40, seeds=[0] if args.quick else [0, 1, 2])
-        balance(work, epochs=3 if args.quick else 6)
+        if args.only != "balance":
+            quality(work, epochs=15 if args.quick else 40, seeds=[0] if args.quick else [0, 1, 2])
+        if args.only != "quality":
+            balance(work, epochs=3 if args.quick else 6)
 
 
 if __name__ == "__main__":

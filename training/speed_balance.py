@@ -1,10 +1,14 @@
-"""Rank-speed balancing: split each global batch across ranks by measured throughput.
+"""Rank-speed balancing: split each global batch across ranks so their compute finishes together.
 
-Ranks of unequal speed otherwise wait for the slowest at every gradient all-reduce. Each rank
-reports samples per second of busy (compute) time; an EMA of these sets next step's shares, so all
-ranks finish their compute together. The update still equals the mean over the global batch: each
-rank's loss is sum(per-sample loss) * world_size / global_batch, and DDP's all-reduce averages over
-world_size, leaving sum over the global batch / global_batch whatever the split.
+Ranks of unequal speed otherwise wait for the slowest at every gradient all-reduce. Every rank
+reports its busy (compute) time and sample count for the step; each rank's share is then scaled by
+(mean busy / its busy)^gain and smoothed. This feeds back on the objective itself (equal busy time)
+rather than on samples/s, which per-step fixed costs distort: with cost a + b*n, samples/s falls as
+a rank's share shrinks, and a throughput-proportional split spirals the slow rank's share down.
+
+The update still equals the mean over the global batch: each rank's loss is
+sum(per-sample loss) * world_size / global_batch, and DDP's all-reduce averages over world_size,
+leaving sum over the global batch / global_batch whatever the split.
 """
 
 from __future__ import annotations
@@ -17,22 +21,20 @@ from training.sampler import largest_remainder
 
 
 class RankSpeedBalancer:
-    def __init__(self, world_size: int, enabled: bool = True, ema: float = 0.5, min_share: float = 0.05) -> None:
-        if not 0 < ema <= 1:
-            raise ValueError(f"ema must be within (0, 1], got {ema}")
+    def __init__(self, world_size: int, enabled: bool = True, gain: float = 0.5, smoothing: float = 0.5, min_share: float = 0.02) -> None:
+        if not 0 < gain <= 1 or not 0 < smoothing <= 1:
+            raise ValueError(f"gain and smoothing must be within (0, 1], got {gain}, {smoothing}")
         self.world_size = world_size
         self.enabled = enabled
-        self.ema = ema
+        self.gain = gain
+        self.smoothing = smoothing
         self.min_share = min_share
-        self.throughput = np.ones(world_size, dtype=np.float64)
-        self._measured = False
+        self._shares = np.full(world_size, 1.0 / world_size)
 
     def shares(self) -> np.ndarray:
         if not self.enabled:
             return np.full(self.world_size, 1.0 / self.world_size)
-        s = self.throughput / self.throughput.sum()
-        s = np.maximum(s, self.min_share)
-        return s / s.sum()
+        return self._shares.copy()
 
     def split(self, global_batch: int) -> list[int]:
         """Per-rank sample counts for a global batch; each rank gets at least one sample."""
@@ -41,20 +43,20 @@ class RankSpeedBalancer:
         counts = largest_remainder(self.shares(), global_batch - self.world_size) + 1
         return [int(c) for c in counts]
 
-    def observe(self, samples_per_second: np.ndarray) -> None:
-        """Fold one step's per-rank throughput (all ranks' values, already gathered) into the EMA."""
-        sps = np.asarray(samples_per_second, dtype=np.float64)
-        if not np.all(np.isfinite(sps)) or np.any(sps <= 0):
+    def observe(self, busy_s: np.ndarray) -> None:
+        """Fold one step's per-rank busy times (all ranks' values, already gathered) into the shares."""
+        busy = np.asarray(busy_s, dtype=np.float64)
+        if not np.all(np.isfinite(busy)) or np.any(busy <= 0):
             return
-        if not self._measured:
-            self.throughput = sps
-            self._measured = True
-        else:
-            self.throughput = self.ema * sps + (1 - self.ema) * self.throughput
+        target = self._shares * np.power(busy.mean() / busy, self.gain)
+        target = np.maximum(target / target.sum(), self.min_share)
+        target /= target.sum()
+        self._shares = self.smoothing * target + (1 - self.smoothing) * self._shares
+        self._shares /= self._shares.sum()
 
-    def gather_and_observe(self, local_samples_per_second: float) -> np.ndarray:
-        """All-gather every rank's throughput (one tiny collective) and update the EMA."""
-        local = torch.tensor([local_samples_per_second], dtype=torch.float64)
+    def gather_and_observe(self, local_busy_s: float) -> np.ndarray:
+        """All-gather every rank's busy time (one tiny collective) and update the shares."""
+        local = torch.tensor([local_busy_s], dtype=torch.float64)
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             out = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world_size)]
             dist.all_gather(out, local)
@@ -65,11 +67,10 @@ class RankSpeedBalancer:
         return values
 
     def state_dict(self) -> dict[str, object]:
-        return {"throughput": self.throughput.tolist(), "measured": self._measured}
+        return {"shares": self._shares.tolist()}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        self.throughput = np.asarray(state["throughput"], dtype=np.float64)
-        self._measured = bool(state["measured"])
+        self._shares = np.asarray(state["shares"], dtype=np.float64)
 
 
 def slice_for_rank(batch: np.ndarray, counts: list[int], rank: int) -> np.ndarray:

@@ -227,7 +227,7 @@ class Trainer:
         compute = (self.hook.compute_end - t1) + (t3 - t2)
         rec = StepRecord(self.rank, epoch, step, len(idx), compute, t1 - t0, t2 - self.hook.compute_end, t3 - t0)
         if self.balancer.enabled:
-            self.balancer.gather_and_observe(rec.samples_per_s)
+            self.balancer.gather_and_observe(rec.compute_s)
         return float(loss.detach()) * global_n / self.world / max(1, len(idx)), rec
 
     def fit(self) -> dict[str, Any]:

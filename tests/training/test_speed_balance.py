@@ -26,7 +26,8 @@ def test_weighted_uneven_shards_match_single_process_gradient(loss_name: str) ->
 
     world = 3
     balancer = RankSpeedBalancer(world)
-    balancer.observe(np.array([300.0, 100.0, 50.0]))  # rank 0 three times as fast as rank 1
+    for _ in range(10):
+        balancer.observe(np.array([1.0, 3.0, 6.0]) * balancer.shares())  # rank 0 three times as fast as rank 1
     counts = balancer.split(len(y))
     assert len(set(counts)) > 1 and sum(counts) == 50
     order = np.arange(50)
@@ -41,11 +42,23 @@ def test_weighted_uneven_shards_match_single_process_gradient(loss_name: str) ->
         torch.testing.assert_close(got / world, exp, rtol=1e-5, atol=1e-6)  # DDP's all-reduce mean
 
 
-def test_split_follows_throughput_and_gives_everyone_a_sample() -> None:
+def test_shares_converge_to_equal_busy_time_despite_fixed_step_cost() -> None:
     b = RankSpeedBalancer(2)
-    b.observe(np.array([200.0, 100.0]))
-    assert b.split(300) == [200, 100]
-    b.observe(np.array([1e9, 1.0]))
+    per_sample = np.array([1.0, 2.0])  # rank 1 is 2x slower
+    fixed = 50.0  # per-step overhead, same on both ranks
+    for _ in range(40):
+        n = np.array(b.split(300), dtype=float)
+        b.observe(fixed * (per_sample / per_sample.min()) + per_sample * n)
+    n = np.array(b.split(300), dtype=float)
+    busy = fixed * per_sample + per_sample * n
+    assert busy.max() / busy.mean() < 1.02
+    assert n[0] > n[1]
+
+
+def test_extreme_imbalance_still_gives_everyone_a_sample() -> None:
+    b = RankSpeedBalancer(2)
+    for _ in range(50):
+        b.observe(np.array([1.0, 1e6]))
     assert min(b.split(10)) >= 1
 
 
