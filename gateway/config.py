@@ -1,0 +1,208 @@
+"""Gateway configuration: one YAML or TOML file, every field overridable by environment variables.
+
+Environment variables take precedence over the file: `SKEWSERVE_GATEWAY_<FIELD>` with `__` between
+nested fields, e.g. `SKEWSERVE_GATEWAY_CACHE__TTL_S=5` or `SKEWSERVE_GATEWAY_HOME_REGION=eu-west`
+(lists and objects as JSON). Validation happens once, at start, and names the bad field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "SKEWSERVE_GATEWAY_"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerConfig(_Strict):
+    name: str
+    http: str = Field(description="host:port of Triton's HTTP endpoint")
+    grpc: str = Field(description="host:port of Triton's gRPC endpoint")
+
+    @field_validator("http", "grpc")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        v = v.removeprefix("http://").removeprefix("grpc://").rstrip("/")
+        host, _, port = v.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{v!r} is not host:port (e.g. 127.0.0.1:8000)")
+        return v
+
+
+class RegionConfig(_Strict):
+    name: str
+    servers: list[ServerConfig] = Field(min_length=1)
+    rtt_ms: float | None = Field(default=None, ge=0, description="fixed RTT for spill-over order; measured when unset")
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    http_port: int = Field(default=8080, ge=0, lt=65536)
+    grpc_port: int = Field(default=8081, ge=0, lt=65536)
+
+
+class BalancingConfig(_Strict):
+    policy: Literal["p2c_ewma", "round_robin"] = "p2c_ewma"
+    ewma_decay_s: float = Field(default=2.0, gt=0, description="time constant of the latency EWMA")
+
+
+class RoutingConfig(_Strict):
+    max_inflight_per_server: int = Field(default=64, ge=1, description="above this a region counts as saturated")
+    region_header: str = "x-skewserve-region"
+
+
+class HealthConfig(_Strict):
+    interval_s: float = Field(default=1.0, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
+    eject_after_failures: int = Field(default=3, ge=1, description="consecutive failures before outlier ejection")
+    base_ejection_s: float = Field(default=2.0, gt=0)
+    max_ejection_s: float = Field(default=60.0, gt=0)
+
+
+class RetryConfig(_Strict):
+    max_attempts: int = Field(default=3, ge=1)
+    budget_ratio: float = Field(default=0.2, ge=0, le=1, description="retries allowed as a fraction of recent requests")
+    min_retries_per_s: float = Field(default=10.0, ge=0)
+    default_timeout_s: float = Field(default=30.0, gt=0)
+    connect_timeout_s: float = Field(default=1.0, gt=0)
+    timeout_header: str = "x-skewserve-timeout-ms"
+
+
+class HedgingConfig(_Strict):
+    models: list[str] = Field(default_factory=list, description="models opted in to hedging")
+    min_delay_ms: float = Field(default=2.0, ge=0)
+
+
+class CacheConfig(_Strict):
+    backend: Literal["none", "memory", "redis"] = "memory"
+    models: list[str] = Field(default_factory=list, description="deterministic models opted in ('*' for all)")
+    max_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
+    ttl_s: float = Field(default=300.0, gt=0)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "skewserve"
+    hmac_secret: str = Field(default="", description="integrity key for Redis entries; required with backend redis")
+    max_entry_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
+
+    @model_validator(mode="after")
+    def _redis_secret(self) -> CacheConfig:
+        if self.backend == "redis" and len(self.hmac_secret) < 16:
+            raise ValueError("cache.hmac_secret must be set (16+ characters) when cache.backend is redis; entries are integrity-checked with it")
+        return self
+
+
+class ApiKeyConfig(_Strict):
+    name: str
+    sha256: str = Field(description="hex SHA-256 of the key; the key itself is never stored")
+    models: list[str] = Field(default_factory=lambda: ["*"])
+    rate_per_s: float = Field(default=0.0, ge=0, description="token-bucket refill; 0 = unlimited")
+    burst: float = Field(default=0.0, ge=0)
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        v = v.lower()
+        if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
+            raise ValueError("must be 64 hex characters (sha256 of the key): `skewserve gateway hash-key KEY`")
+        return v
+
+
+class AuthConfig(_Strict):
+    keys: list[ApiKeyConfig] = Field(default_factory=list, description="no keys = no authentication")
+
+
+class LimitsConfig(_Strict):
+    max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    max_batch_size: int = Field(default=0, ge=0, description="0 = no gateway limit (Triton still enforces its own)")
+    max_inflight: int = Field(default=1024, ge=1, description="global in-flight bound; above it requests are shed with 503")
+
+
+class DrainConfig(_Strict):
+    grace_s: float = Field(default=5.0, ge=0, description="not-ready period before new requests are refused")
+    timeout_s: float = Field(default=30.0, gt=0, description="bound on waiting for in-flight requests")
+
+
+class GatewayConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid")
+
+    home_region: str
+    regions: list[RegionConfig] = Field(min_length=1)
+    upstream_protocol: Literal["grpc", "http"] = Field(
+        default="grpc", description="protocol for health probes and metadata; infer traffic keeps the client's protocol"
+    )
+    listen: ListenConfig = Field(default_factory=ListenConfig)
+    balancing: BalancingConfig = Field(default_factory=BalancingConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    retries: RetryConfig = Field(default_factory=RetryConfig)
+    hedging: HedgingConfig = Field(default_factory=HedgingConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    drain: DrainConfig = Field(default_factory=DrainConfig)
+    log_json: bool = True
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource, file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment over file: the file arrives as init kwargs, so env must come first.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GatewayConfig:
+        names = [r.name for r in self.regions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"regions: names must be unique, got {names}")
+        if self.home_region not in names:
+            raise ValueError(f"home_region {self.home_region!r} is not one of the regions {names}")
+        servers = [s.name for r in self.regions for s in r.servers]
+        if len(set(servers)) != len(servers):
+            raise ValueError(f"regions.servers: server names must be unique across regions, got {servers}")
+        return self
+
+
+class ConfigError(ValueError):
+    """Invalid gateway config; the message names the field."""
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"gateway config {path} does not exist")
+    text = path.read_text()
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"gateway config {path} is not valid {'TOML' if path.suffix == '.toml' else 'YAML'}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"gateway config {path} must hold a mapping at the top level")
+    return data
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
+        parts.append(f"{loc}: {msg}{shown}")
+    return f"invalid gateway config {source}: " + "; ".join(parts)
+
+
+def load_gateway_config(path: Path | None = None, **overrides: Any) -> GatewayConfig:
+    """Read the file, apply environment overrides, validate; raise ConfigError naming the field."""
+    data = _read_file(Path(path)) if path is not None else {}
+    data.update(overrides)
+    try:
+        return GatewayConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, str(path) if path else "(environment)")) from exc

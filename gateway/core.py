@@ -1,0 +1,177 @@
+"""The gateway's protocol-independent core: fleet, routing, admission, cache, drain state.
+
+The HTTP and gRPC fronts translate their wire formats into calls on `Gateway`; everything that
+decides where a request goes or whether it is served lives here once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from gateway.auth import Authenticator, Principal
+from gateway.balancer import make_balancer
+from gateway.cache import Coalescer, MemoryCache, RedisCache, ResponseCache
+from gateway.config import GatewayConfig
+from gateway.dispatch import Attempt, Dispatcher, Outcome
+from gateway.errors import NoReadyServer, Overloaded
+from gateway.health import HealthChecker, OutlierDetector
+from gateway.metrics import GatewayMetrics
+from gateway.router import RegionRouter, Region
+from gateway.upstream import UpstreamServer
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.metrics = GatewayMetrics()
+        regions = [
+            Region(r.name, [UpstreamServer(s, r.name, cfg.balancing.ewma_decay_s, cfg.retries.connect_timeout_s, clock) for s in r.servers],
+                   None if r.rtt_ms is None else r.rtt_ms / 1000)
+            for r in cfg.regions
+        ]
+        self.router = RegionRouter(cfg, regions, {r.name: make_balancer(cfg.balancing.policy) for r in regions}, clock)
+        self.servers = self.router.servers()
+        self.detector = OutlierDetector(cfg.health, on_eject=self.metrics.ejection)
+        self.health = HealthChecker(self.servers, cfg.health, cfg.upstream_protocol, self.detector, clock)
+        self.dispatcher = Dispatcher(cfg, self.router, self.detector, self.metrics, clock)
+        self.auth = Authenticator(cfg.auth, clock)
+        self.cache: ResponseCache | None = None
+        if cfg.cache.backend == "memory":
+            self.cache = MemoryCache(cfg.cache.max_bytes, cfg.cache.ttl_s, clock)
+        elif cfg.cache.backend == "redis":
+            self.cache = RedisCache(cfg.cache.redis_url, cfg.cache.namespace, cfg.cache.hmac_secret, cfg.cache.ttl_s)
+        self._cache_all = "*" in cfg.cache.models
+        self._cache_models = set(cfg.cache.models)
+        self.coalescer = Coalescer()
+        self.inflight = 0
+        self.draining = False  # reports not-ready; still serves
+        self.refusing = False  # past the drain grace: new requests get 503
+        self._last_evictions = 0
+        self._last_tampered = 0
+        self.metrics.attach_fleet(self.describe)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.health.probe_all()  # route from the first request on, not after one interval
+        self.health.start()
+
+    async def stop(self) -> None:
+        await self.health.stop()
+        for s in self.servers:
+            await s.close()
+        if self.cache is not None:
+            await self.cache.close()
+
+    def ready(self) -> bool:
+        now = self.clock()
+        return not self.draining and any(s.available(now) for s in self.servers)
+
+    async def drain(self, stop_serving: Callable[[], None]) -> None:
+        """Not-ready first (load balancers stop sending), refuse after the grace, finish in-flight, exit."""
+        if self.draining:
+            return
+        self.draining = True
+        logger.info("draining: reporting not-ready for %.1fs, then refusing new requests", self.cfg.drain.grace_s)
+        await asyncio.sleep(self.cfg.drain.grace_s)
+        self.refusing = True
+        deadline = self.clock() + self.cfg.drain.timeout_s
+        while self.inflight and self.clock() < deadline:
+            await asyncio.sleep(0.01)
+        if self.inflight:
+            logger.warning("drain timeout: %d request(s) still in flight", self.inflight)
+        stop_serving()
+
+    # -- admission -------------------------------------------------------------------------------
+    def admit(self, model: str, authorization: str | None, api_key: str | None) -> Principal | None:
+        if self.refusing:
+            self.metrics.shed.labels("draining").inc()
+            raise Overloaded("gateway is shutting down; retry on another replica")
+        if self.inflight >= self.cfg.limits.max_inflight:
+            self.metrics.shed.labels("inflight").inc()
+            raise Overloaded(f"gateway is at its in-flight limit ({self.cfg.limits.max_inflight}); retry later")
+        principal = self.auth.authenticate(authorization, api_key)
+        self.auth.admit(principal, model)
+        return principal
+
+    def deadline(self, timeout_ms: str | None) -> float:
+        timeout = self.cfg.retries.default_timeout_s
+        if timeout_ms:
+            try:
+                timeout = min(timeout, max(0.0, float(timeout_ms) / 1000))
+            except ValueError:
+                from gateway.errors import BadRequest
+
+                raise BadRequest(f"{self.cfg.retries.timeout_header} must be a number of milliseconds, got {timeout_ms!r}") from None
+        return self.clock() + timeout
+
+    # -- sending ---------------------------------------------------------------------------------
+    async def send(self, model: str, version: str, pinned: str | None, deadline: float, attempt: Attempt[T]) -> Outcome[T]:
+        """Route and send; an unknown model goes to any server so Triton answers in its own words."""
+        try:
+            return await self.dispatcher.send(model, version, pinned, deadline, attempt)
+        except NoReadyServer:
+            if pinned is None and not self.router.knows_model(model):
+                return await self.dispatcher.send(model, version, None, deadline, attempt, route_any=True)
+            raise
+
+    def cache_enabled(self, model: str) -> bool:
+        return self.cache is not None and (self._cache_all or model in self._cache_models)
+
+    async def cached(self, key: str, model: str, fetch: Callable[[], Awaitable[tuple[T, bytes | None]]],
+                     decode: Callable[[bytes], T]) -> tuple[T, str]:
+        """Serve from cache or fetch once for all identical in-flight requests; errors are never stored.
+
+        `fetch` returns (value, bytes to store or None when the value must not be cached).
+        """
+        assert self.cache is not None
+        stored = self.cache.get_now(key) if isinstance(self.cache, MemoryCache) else await self.cache.get(key)
+        if stored is not None:
+            self.cache.stats.hits += 1
+            self.metrics.cache(model, hit=True)
+            return decode(stored), "hit"
+        self.cache.stats.misses += 1
+        self.metrics.cache(model, hit=False)
+
+        async def fetch_and_store() -> T:
+            value, to_store = await fetch()
+            if to_store is not None and len(to_store) <= self.cfg.cache.max_entry_bytes:
+                await self.cache.set(key, to_store)  # type: ignore[union-attr]
+                self.metrics.cache_stored(model, len(to_store))
+            return value
+
+        value, shared = await self.coalescer.run(key, fetch_and_store)
+        if shared:
+            self.metrics.coalesced.labels(model).inc()
+        return value, "coalesced" if shared else "miss"
+
+    # -- introspection ---------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        now = self.clock()
+        if isinstance(self.cache, MemoryCache):
+            ev = self.cache.stats.evictions
+            if ev > self._last_evictions:
+                self.metrics.cache_evictions.inc(ev - self._last_evictions)
+                self._last_evictions = ev
+        if self.cache is not None and self.cache.stats.tampered > self._last_tampered:
+            self.metrics.cache_tampered.inc(self.cache.stats.tampered - self._last_tampered)
+            self._last_tampered = self.cache.stats.tampered
+        return {
+            "home_region": self.cfg.home_region,
+            "ready": self.ready(),
+            "draining": self.draining,
+            "inflight": self.inflight,
+            "retry_budget_tokens": round(self.dispatcher.budget.tokens, 2),
+            "region_order": [r.name for r in self.router.region_order()],
+            "skew_index": {r.name: round(r.skew_index(), 3) for r in self.router.regions.values()},
+            "cache_bytes": self.cache.size_bytes() if self.cache is not None else 0,
+            "cache": None if self.cache is None else vars(self.cache.stats),
+            "servers": [s.describe(now) for s in self.servers],
+        }

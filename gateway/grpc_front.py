@@ -1,0 +1,215 @@
+"""`inference.GRPCInferenceService` front, served by grpc.aio in the gateway's event loop.
+
+Generic handlers take and return raw bytes: ModelInfer requests are parsed only for the model name
+and version (upb does this without touching tensor bytes) and forwarded as the client sent them.
+Only the health, metadata, config and infer methods are registered; the repository, shared-memory,
+trace and logging methods answer UNIMPLEMENTED, as for any method a server does not have.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from typing import Any
+
+import grpc
+import grpc.aio
+from tritonclient.grpc import service_pb2 as pb
+
+from gateway.cache import cache_key
+from gateway.core import Gateway
+from gateway.errors import BadRequest, GatewayError, NoReadyServer, grpc_code_for
+from gateway.upstream import UpstreamServer
+
+logger = logging.getLogger(__name__)
+SERVICE = "inference.GRPCInferenceService"
+_FORWARD_METADATA = ("x-request-id",)
+
+
+def _restamp(raw: bytes, request_id: str) -> bytes:
+    resp = pb.ModelInferResponse.FromString(raw)
+    if resp.id == request_id:
+        return raw
+    resp.id = request_id
+    return resp.SerializeToString()
+
+
+class GrpcFront:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+        cfg = gateway.cfg
+        self.region_key = cfg.routing.region_header.lower()
+        self.timeout_key = cfg.retries.timeout_header.lower()
+        self.max_batch = cfg.limits.max_batch_size
+        self.server: grpc.aio.Server | None = None
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        def raw(fn: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=None, response_serializer=None)
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "ServerLive": raw(self.server_live),
+            "ServerReady": raw(self.server_ready),
+            "ModelReady": raw(self.model_ready),
+            "ServerMetadata": raw(self.server_metadata),
+            "ModelMetadata": raw(self.model_metadata),
+            "ModelConfig": raw(self.model_config),
+            "ModelInfer": raw(self.model_infer),
+        })
+
+    async def start(self, host: str, port: int) -> int:
+        options = [("grpc.max_receive_message_length", self.gw.cfg.limits.max_request_bytes),
+                   ("grpc.max_send_message_length", 256 * 1024 * 1024), ("grpc.so_reuseport", 0)]
+        self.server = grpc.aio.server(options=options)
+        self.server.add_generic_rpc_handlers((self.handlers(),))
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"gRPC port {host}:{port} is already in use; choose another listen.grpc_port")
+        await self.server.start()
+        return bound
+
+    async def stop(self, grace_s: float) -> None:
+        if self.server is not None:
+            await self.server.stop(grace_s)
+
+    # -- helpers -----------------------------------------------------------------------------------
+    @staticmethod
+    def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+        return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+    def _deadline(self, context: grpc.aio.ServicerContext, md: dict[str, str]) -> float:
+        deadline = self.gw.deadline(md.get(self.timeout_key))
+        remaining = context.time_remaining()
+        if remaining is not None:
+            deadline = min(deadline, self.gw.clock() + remaining)
+        return deadline
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, request_id: str) -> None:
+        if isinstance(exc, GatewayError):
+            message = exc.message
+            if exc.headers:
+                context.set_trailing_metadata(tuple((k, v) for k, v in exc.headers.items()) + (("x-request-id", request_id),))
+        else:
+            logger.exception("unhandled error in gRPC front, request_id=%s", request_id)
+            message = f"internal gateway error; see the gateway log for request id {request_id}"
+        await context.abort(grpc_code_for(exc), message)
+
+    async def _proxy(self, method: str, request: bytes, context: grpc.aio.ServicerContext, model: str, version: str) -> bytes:
+        md = self._metadata(context)
+        request_id = md.get("x-request-id") or os.urandom(8).hex()
+        try:
+            principal = self.gw.auth.authenticate(md.get("authorization"), md.get("x-api-key"))
+            if model:
+                self.gw.auth.admit(principal, model)
+            deadline = self._deadline(context, md)
+
+            async def attempt(server: UpstreamServer, timeout_s: float) -> bytes:
+                return await server.grpc_call(method, request, timeout_s, (("x-request-id", request_id),))
+
+            if not model:
+                outcome = await self.gw.dispatcher.send("", "", None, deadline, attempt, route_any=True)
+            else:
+                try:
+                    outcome = await self.gw.send(model, version, md.get(self.region_key), deadline, attempt)
+                except NoReadyServer:
+                    outcome = await self.gw.dispatcher.send(model, version, None, deadline, attempt, route_any=True)
+            return outcome.value
+        except GatewayError as exc:
+            await self._abort(context, exc, request_id)
+            raise AssertionError("unreachable") from None
+
+    # -- methods -----------------------------------------------------------------------------------
+    async def server_live(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return pb.ServerLiveResponse(live=True).SerializeToString()
+
+    async def server_ready(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return pb.ServerReadyResponse(ready=self.gw.ready()).SerializeToString()
+
+    async def model_ready(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        req = pb.ModelReadyRequest.FromString(request)
+        return await self._proxy("ModelReady", request, context, req.name, req.version)
+
+    async def server_metadata(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return await self._proxy("ServerMetadata", request, context, "", "")
+
+    async def model_metadata(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        req = pb.ModelMetadataRequest.FromString(request)
+        return await self._proxy("ModelMetadata", request, context, req.name, req.version)
+
+    async def model_config(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        req = pb.ModelConfigRequest.FromString(request)
+        return await self._proxy("ModelConfig", request, context, req.name, req.version)
+
+    async def model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        gw = self.gw
+        started = gw.clock()
+        md = self._metadata(context)
+        request_id = md.get("x-request-id") or ""
+        status = "OK"
+        region = server_name = ""
+        model = ""
+        gw.inflight += 1
+        try:
+            req = pb.ModelInferRequest.FromString(request)
+            model, version = req.model_name, req.model_version
+            request_id = request_id or req.id or os.urandom(8).hex()
+            gw.admit(model, md.get("authorization"), md.get("x-api-key"))
+            if self.max_batch:
+                for inp in req.inputs:
+                    if inp.shape and inp.shape[0] > self.max_batch:
+                        raise BadRequest(f"input {inp.name!r} has batch size {inp.shape[0]}, above the gateway limit of {self.max_batch}")
+            deadline = self._deadline(context, md)
+            metadata = (("x-request-id", request_id),)
+
+            async def attempt(server: UpstreamServer, timeout_s: float) -> bytes:
+                return await server.grpc_call("ModelInfer", request, timeout_s, metadata)
+
+            trailing = [("x-request-id", request_id)]
+            if gw.cache_enabled(model):
+                raw, route, state = await self._cached(req, model, version, md.get(self.region_key), deadline, attempt)
+                trailing.append(("x-skewserve-cache", "hit" if state == "hit" else "miss"))
+            else:
+                outcome = await gw.send(model, version, md.get(self.region_key), deadline, attempt)
+                raw, route = outcome.value, outcome.route
+            if route is not None:
+                region, server_name = route.region, route.server.name
+                trailing += [("x-skewserve-region", region), ("x-skewserve-server", server_name)]
+            context.set_trailing_metadata(tuple(trailing))
+            return raw
+        except GatewayError as exc:
+            status = exc.grpc_code.name
+            await self._abort(context, exc, request_id)
+        except Exception as exc:
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            status = "INTERNAL"
+            await self._abort(context, exc, request_id)
+        finally:
+            gw.inflight -= 1
+            gw.metrics.request(model, region, server_name, "grpc", status, gw.clock() - started)
+        raise AssertionError("unreachable")
+
+    async def _cached(self, req: pb.ModelInferRequest, model: str, version: str, pinned: str | None, deadline: float,
+                      attempt: Any) -> tuple[bytes, Any, str]:
+        gw = self.gw
+        request_id = req.id
+        resolved = version or gw.router.latest_version(model)
+        req.id = ""
+        req.model_version = ""
+        key = cache_key("grpc", model, resolved, req.SerializeToString(deterministic=True))
+        route_box: list[Any] = []
+
+        async def fetch() -> tuple[bytes, bytes | None]:
+            outcome = await gw.send(model, version, pinned, deadline, attempt)
+            route_box.append(outcome.route)
+            raw = outcome.value
+            answered = pb.ModelInferResponse.FromString(raw).model_version
+            return raw, (raw if resolved and answered == resolved else None)
+
+        raw, state = await gw.cached(key, model, fetch, lambda b: b)
+        if state != "miss":
+            raw = _restamp(raw, request_id)
+        return raw, (route_box[0] if route_box else None), state
+
+

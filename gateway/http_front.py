@@ -1,0 +1,330 @@
+"""KServe v2 / Triton HTTP front.
+
+`/v2/models/{m}[/versions/{v}]/infer` is served by a raw ASGI handler: the body (JSON, or Triton's
+binary tensor extension with `Inference-Header-Content-Length`) is forwarded as received and
+Triton's bytes come back as sent, with no decoding of tensor data. Everything else (health,
+metadata, config, admin, metrics) goes to a FastAPI app. Triton's repository, model-control,
+shared-memory, trace and logging endpoints are not routed: 404 in Triton's `{"error": ...}` shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.core import Gateway
+from gateway.errors import BadRequest, GatewayError, NotFound, RequestTooLarge, UpstreamRejected, http_status_for
+from gateway.upstream import UpstreamServer
+from gateway.upstream_http import HttpResponse
+
+logger = logging.getLogger(__name__)
+_JSON = b"application/json"
+_FORWARD = {b"content-type", b"inference-header-content-length", b"accept-encoding", b"content-encoding", b"x-request-id"}
+_RETURN = {b"content-type", b"inference-header-content-length", b"content-encoding"}
+
+
+def error_body(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()
+
+
+def parse_infer_path(path: str) -> tuple[str, str] | None:
+    """('model', 'version' or '') for /v2/models/{m}[/versions/{v}]/infer, else None."""
+    parts = path.split("/")
+    # ['', 'v2', 'models', m, 'infer'] or ['', 'v2', 'models', m, 'versions', v, 'infer']
+    if len(parts) == 5 and parts[4] == "infer":
+        return parts[3], ""
+    if len(parts) == 7 and parts[4] == "versions" and parts[6] == "infer":
+        return parts[3], parts[5]
+    return None
+
+
+def split_request(body: bytes, header_length: int | None) -> tuple[dict[str, Any], bytes]:
+    """The JSON inference header and the binary tensor tail of a request body."""
+    try:
+        if header_length is None:
+            return json.loads(body), b""
+        if header_length > len(body):
+            raise BadRequest(f"Inference-Header-Content-Length {header_length} exceeds the body size {len(body)}")
+        return json.loads(body[:header_length]), body[header_length:]
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"failed to parse the request JSON: {exc}") from exc
+
+
+def _encode_entry(resp: HttpResponse) -> bytes:
+    meta = json.dumps({"h": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in resp.headers if k.lower() in _RETURN]}).encode()
+    return struct.pack("!I", len(meta)) + meta + resp.body
+
+
+def _decode_entry(raw: bytes) -> HttpResponse:
+    (n,) = struct.unpack("!I", raw[:4])
+    meta = json.loads(raw[4 : 4 + n])
+    return HttpResponse(200, [(k.encode("latin-1"), v.encode("latin-1")) for k, v in meta["h"]], raw[4 + n :])
+
+
+def _response_header_json(resp: HttpResponse) -> tuple[dict[str, Any], int | None]:
+    hl = resp.header(b"inference-header-content-length")
+    n = int(hl) if hl is not None else None
+    return json.loads(resp.body if n is None else resp.body[:n]), n
+
+
+def restamp_id(resp: HttpResponse, request_id: str) -> HttpResponse:
+    """Give a shared (cached or coalesced) response the `id` of the request it now answers."""
+    header, n = _response_header_json(resp)
+    if header.get("id", "") == request_id:
+        return resp
+    if request_id:
+        header["id"] = request_id
+    else:
+        header.pop("id", None)
+    new_header = json.dumps(header, separators=(",", ":")).encode()
+    if n is None:
+        return HttpResponse(resp.status, resp.headers, new_header)
+    headers = [(k, str(len(new_header)).encode() if k.lower() == b"inference-header-content-length" else v) for k, v in resp.headers]
+    return HttpResponse(resp.status, headers, new_header + resp.body[n:])
+
+
+class HttpFront:
+    """The ASGI application: the fast infer path in front of the FastAPI app."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+        self.api = build_api(gateway)
+        cfg = gateway.cfg
+        self.max_bytes = cfg.limits.max_request_bytes
+        self.max_batch = cfg.limits.max_batch_size
+        self.region_header = cfg.routing.region_header.lower().encode()
+        self.timeout_header = cfg.retries.timeout_header.lower().encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            target = parse_infer_path(scope["path"])
+            if target is not None:
+                await self.infer(scope, receive, send, *target)
+                return
+        await self.api(scope, receive, send)
+
+    async def infer(self, scope: dict[str, Any], receive: Any, send: Any, model: str, version: str) -> None:
+        gw = self.gw
+        started = gw.clock()
+        content_length = header_length = None
+        authorization = api_key = request_id = pinned = timeout_ms = None
+        forward: list[tuple[bytes, bytes]] = []
+        for k, v in scope["headers"]:
+            if k in _FORWARD:
+                forward.append((k, v))
+                if k == b"inference-header-content-length":
+                    header_length = v
+                elif k == b"x-request-id":
+                    request_id = v.decode("latin-1")
+            elif k == b"content-length":
+                content_length = v
+            elif k == b"authorization":
+                authorization = v.decode("latin-1")
+            elif k == b"x-api-key":
+                api_key = v.decode("latin-1")
+            elif k == self.region_header:
+                pinned = v.decode("latin-1")
+            elif k == self.timeout_header:
+                timeout_ms = v.decode("latin-1")
+        if request_id is None:
+            request_id = os.urandom(8).hex()
+            forward.append((b"x-request-id", request_id.encode()))
+        extra = [(b"x-request-id", request_id.encode())]
+        status = 500
+        route_region = route_server = ""
+        gw.inflight += 1
+        try:
+            gw.admit(model, authorization, api_key)
+            if content_length is not None and int(content_length) > self.max_bytes:
+                raise RequestTooLarge(f"request body of {int(content_length)} bytes exceeds the limit of {self.max_bytes}")
+            body = await self._read_body(receive)
+            hl = int(header_length) if header_length is not None else None
+            parsed = None
+            if self.max_batch:
+                parsed, _ = split_request(body, hl)
+                self._check_batch(parsed)
+            deadline = gw.deadline(timeout_ms)
+            path = scope["raw_path"] + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
+
+            async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
+                return await server.http_request(b"POST", path, body, forward, timeout_s)
+
+            cache_state = None
+            if gw.cache_enabled(model):
+                resp, route, cache_state = await self._cached(model, version, pinned, deadline, body, hl, parsed, attempt)
+            else:
+                outcome = await gw.send(model, version, pinned, deadline, attempt)
+                resp, route = outcome.value, outcome.route
+            if route is not None:
+                route_region, route_server = route.region, route.server.name
+                extra += [(b"x-skewserve-region", route_region.encode()), (b"x-skewserve-server", route_server.encode())]
+            if cache_state is not None:
+                extra.append((b"x-skewserve-cache", b"hit" if cache_state == "hit" else b"miss"))
+            status = resp.status
+            headers = [(k.lower(), v) for k, v in resp.headers if k.lower() in _RETURN]
+            headers.append((b"content-length", str(len(resp.body)).encode()))
+            await send({"type": "http.response.start", "status": status, "headers": headers + extra})
+            await send({"type": "http.response.body", "body": resp.body})
+        except GatewayError as exc:
+            status = await self._error(send, exc, extra, request_id)
+        except Exception as exc:  # unknown: 500 without internals, logged with the request id
+            logger.exception("unhandled error in infer, request_id=%s", request_id)
+            status = await self._error(send, exc, extra, request_id)
+        finally:
+            gw.inflight -= 1
+            gw.metrics.request(model, route_region, route_server, "http", str(status), gw.clock() - started)
+
+    async def _cached(self, model: str, version: str, pinned: str | None, deadline: float, body: bytes, hl: int | None,
+                      parsed: dict[str, Any] | None, attempt: Any) -> tuple[HttpResponse, Any, str]:
+        from gateway.cache import cache_key
+
+        gw = self.gw
+        header, tail = (parsed, body[hl:] if hl is not None else b"") if parsed is not None else split_request(body, hl)
+        request_id = str(header.pop("id", ""))
+        resolved = version or gw.router.latest_version(model)
+        canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        key = cache_key("http-binary" if hl is not None else "http-json", model, resolved, canonical, tail)
+        route_box: list[Any] = []
+
+        async def fetch() -> tuple[HttpResponse, bytes | None]:
+            outcome = await gw.send(model, version, pinned, deadline, attempt)
+            route_box.append(outcome.route)
+            resp = outcome.value
+            if resp.status != 200 or not resolved:
+                return resp, None
+            try:
+                answered = str(_response_header_json(resp)[0].get("model_version", ""))
+            except ValueError:
+                return resp, None
+            # Triton moved to a newer version than the health view knew: do not file it under the old one.
+            return resp, (_encode_entry(resp) if answered == resolved else None)
+
+        resp, state = await gw.cached(key, model, fetch, _decode_entry)
+        if state != "miss" and resp.status == 200:
+            resp = restamp_id(resp, request_id)
+        return resp, (route_box[0] if route_box else None), state
+
+    def _check_batch(self, header: dict[str, Any]) -> None:
+        for inp in header.get("inputs", []):
+            shape = inp.get("shape") or [0]
+            if isinstance(shape[0], int) and shape[0] > self.max_batch:
+                raise BadRequest(f"input {inp.get('name')!r} has batch size {shape[0]}, above the gateway limit of {self.max_batch}")
+
+    async def _read_body(self, receive: Any) -> bytes:
+        chunks = []
+        size = 0
+        while True:
+            message = await receive()
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > self.max_bytes:
+                    raise RequestTooLarge(f"request body exceeds the limit of {self.max_bytes} bytes")
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _error(self, send: Any, exc: BaseException, extra: list[tuple[bytes, bytes]], request_id: str) -> int:
+        status = http_status_for(exc)
+        if isinstance(exc, UpstreamRejected) and exc.body is not None:
+            body = exc.body
+        elif isinstance(exc, GatewayError):
+            body = error_body(exc.message)
+            if status >= 500:
+                logger.warning("request %s failed: %s", request_id, exc.message)
+        else:
+            body = error_body("internal gateway error; see the gateway log for request id " + request_id)
+        headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode()), *extra]
+        if isinstance(exc, GatewayError):
+            headers += [(k.encode(), v.encode()) for k, v in exc.headers.items()]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        return status
+
+
+def build_api(gw: Gateway) -> FastAPI:
+    """Health, metadata, config, admin and metrics endpoints."""
+    api = FastAPI(title="skewserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+
+    @api.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, exc: GatewayError) -> Response:
+        if isinstance(exc, UpstreamRejected) and exc.body is not None:
+            return Response(exc.body, status_code=exc.http_status, media_type="application/json")
+        return JSONResponse({"error": exc.message}, status_code=http_status_for(exc), headers=exc.headers)
+
+    @api.get("/v2/health/live")
+    async def live() -> Response:
+        return Response(status_code=200)
+
+    @api.get("/v2/health/ready")
+    async def ready() -> Response:
+        return Response(status_code=200 if gw.ready() else 400)
+
+    async def proxy(request: Request, model: str = "", version: str = "") -> Response:
+        principal = gw.auth.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        if model:
+            gw.auth.admit(principal, model)
+        path = request.url.path.encode()
+        deadline = gw.deadline(request.headers.get(gw.cfg.retries.timeout_header))
+
+        async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
+            return await server.http_request(b"GET", path, b"", [], timeout_s)
+
+        if model:
+            outcome = await gw.send(model, version, request.headers.get(gw.cfg.routing.region_header), deadline, attempt)
+        else:
+            outcome = await gw.dispatcher.send("", "", None, deadline, attempt, route_any=True)
+        resp = outcome.value
+        media = resp.header(b"content-type")
+        return Response(resp.body, status_code=resp.status, media_type=media.decode() if media else None,
+                        headers={"x-skewserve-region": outcome.route.server.region, "x-skewserve-server": outcome.route.server.name})
+
+    async def model_proxy(request: Request, model: str, version: str = "") -> Response:
+        try:
+            return await proxy(request, model, version)
+        except GatewayError as exc:
+            if exc.http_status != 503:
+                raise
+            # Known but not ready anywhere: let a server that has it say so in Triton's words.
+            deadline = gw.deadline(None)
+            path = request.url.path.encode()
+
+            async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
+                return await server.http_request(b"GET", path, b"", [], timeout_s)
+
+            outcome = await gw.dispatcher.send(model, version, None, deadline, attempt, route_any=True)
+            return Response(outcome.value.body, status_code=outcome.value.status, media_type="application/json")
+
+    @api.get("/v2")
+    async def server_metadata(request: Request) -> Response:
+        return await proxy(request)
+
+    for suffix in ("", "/ready", "/config"):
+        api.add_api_route(f"/v2/models/{{model}}{suffix}", model_proxy, methods=["GET"])
+        api.add_api_route(f"/v2/models/{{model}}/versions/{{version}}{suffix}", model_proxy, methods=["GET"])
+
+    @api.get("/admin/upstreams")
+    async def upstreams() -> JSONResponse:
+        return JSONResponse(gw.describe())
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def not_routed(path: str) -> Response:
+        raise NotFound(f"/{path} is not served by the gateway (Triton's repository, shared-memory, trace and logging APIs are not exposed)")
+
+    return api

@@ -1,0 +1,107 @@
+"""Routing across regions: home first, spill over to the nearest region with capacity.
+
+A request goes to the gateway's home region. It spills over, nearest region first by measured
+probe round-trip time (or the configured rtt_ms), when the home region has no server with the
+model (and pinned version) ready, or when all its ready servers are saturated (in-flight at the
+configured bound). A pinned region (header / gRPC metadata) is honoured strictly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from gateway.balancer import Balancer
+from gateway.config import GatewayConfig
+from gateway.errors import NoReadyServer
+from gateway.upstream import UpstreamServer
+
+
+@dataclass
+class Region:
+    name: str
+    servers: list[UpstreamServer]
+    fixed_rtt_s: float | None = None
+
+    def rtt_s(self) -> float:
+        if self.fixed_rtt_s is not None:
+            return self.fixed_rtt_s
+        measured = [s.probe_rtt.mean for s in self.servers if s.probe_rtt.samples]
+        return min(measured) if measured else float("inf")
+
+    def skew_index(self) -> float:
+        """max/mean in-flight across the region's servers (1.0 = perfectly even; 0 when idle)."""
+        loads = [s.inflight for s in self.servers]
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean > 0 else 0.0
+
+
+@dataclass
+class Route:
+    server: UpstreamServer
+    region: str
+    spilled: bool
+
+
+class RegionRouter:
+    def __init__(self, cfg: GatewayConfig, regions: list[Region], balancers: dict[str, Balancer], clock: Callable[[], float]) -> None:
+        self.home = cfg.home_region
+        self.max_inflight = cfg.routing.max_inflight_per_server
+        self.regions = {r.name: r for r in regions}
+        self.balancers = balancers
+        self.clock = clock
+
+    def servers(self) -> list[UpstreamServer]:
+        return [s for r in self.regions.values() for s in r.servers]
+
+    def region_order(self) -> list[Region]:
+        home = self.regions[self.home]
+        others = sorted((r for r in self.regions.values() if r.name != self.home), key=lambda r: r.rtt_s())
+        return [home, *others]
+
+    def route(self, model: str, version: str, pinned: str | None = None, exclude: Collection[UpstreamServer] = ()) -> Route:
+        now = self.clock()
+        if pinned is not None:
+            region = self.regions.get(pinned)
+            if region is None:
+                raise NoReadyServer(f"pinned region {pinned!r} does not exist; regions are {sorted(self.regions)}")
+            order = [region]
+        else:
+            order = self.region_order()
+        fallback: tuple[Region, list[UpstreamServer]] | None = None
+        for region in order:
+            ready = [s for s in region.servers if s not in exclude and s.available(now) and s.has_model(model, version)]
+            if not ready:
+                continue
+            open_ = [s for s in ready if s.inflight < self.max_inflight]
+            if open_:
+                return Route(self.balancers[region.name].pick(open_), region.name, region.name != self.home and pinned is None)
+            if fallback is None:
+                fallback = (region, ready)
+        if fallback is not None:  # everyone saturated: queue at the nearest region with the model
+            region, ready = fallback
+            return Route(min(ready, key=lambda s: s.inflight), region.name, region.name != self.home and pinned is None)
+        where = f"region {pinned!r}" if pinned else "any region"
+        what = f"{model!r} version {version}" if version else repr(model)
+        raise NoReadyServer(f"no server in {where} has model {what} ready")
+
+    def any_server(self, exclude: Collection[UpstreamServer] = ()) -> UpstreamServer:
+        """A reachable server regardless of models (metadata, and Triton's own unknown-model errors)."""
+        now = self.clock()
+        for region in self.region_order():
+            for s in region.servers:
+                if s not in exclude and s.available(now):
+                    return s
+        raise NoReadyServer("no Triton server is ready in any region")
+
+    def knows_model(self, model: str) -> bool:
+        return any(model in s.known_models for s in self.servers())
+
+    def latest_version(self, model: str) -> str:
+        """The highest version ready anywhere: what an unpinned request will be served by."""
+        best = -1
+        for s in self.servers():
+            for v in s.ready_models.get(model, ()):
+                if v.isdigit() and int(v) > best:
+                    best = int(v)
+        return str(best) if best >= 0 else ""
