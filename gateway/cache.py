@@ -58,7 +58,9 @@ class ResponseCache(Protocol):
 class MemoryCache:
     """LRU bounded in bytes, entries expiring after a TTL."""
 
-    def __init__(self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic,
+                 on_evict: Callable[[], None] | None = None) -> None:
+        self.on_evict = on_evict
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.clock = clock
@@ -97,6 +99,8 @@ class MemoryCache:
             _, (_, evicted) = self._entries.popitem(last=False)
             self._bytes -= len(evicted)
             self.stats.evictions += 1
+            if self.on_evict:
+                self.on_evict()
 
     def size_bytes(self) -> int:
         return self._bytes
@@ -109,9 +113,11 @@ class MemoryCache:
 class RedisCache:
     """Shared across gateway replicas; `<namespace>:<key>` -> 32-byte HMAC tag + payload, with a TTL."""
 
-    def __init__(self, url: str, namespace: str, secret: str, ttl_s: float, timeout_s: float = 0.25) -> None:
+    def __init__(self, url: str, namespace: str, secret: str, ttl_s: float, timeout_s: float = 0.25,
+                 on_tamper: Callable[[], None] | None = None) -> None:
         import redis.asyncio as redis
 
+        self.on_tamper = on_tamper
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.namespace = namespace
         self.secret = secret.encode()
@@ -138,6 +144,8 @@ class RedisCache:
         tag, value = raw[:32], raw[32:]
         if len(raw) < 32 or not hmac.compare_digest(tag, self._tag(key, value)):
             self.stats.tampered += 1
+            if self.on_tamper:
+                self.on_tamper()
             logger.error("redis cache entry %s failed its integrity check; dropped", self._key(key))
             try:
                 await self.client.delete(self._key(key))

@@ -45,17 +45,16 @@ class Gateway:
         self.auth = Authenticator(cfg.auth, clock)
         self.cache: ResponseCache | None = None
         if cfg.cache.backend == "memory":
-            self.cache = MemoryCache(cfg.cache.max_bytes, cfg.cache.ttl_s, clock)
+            self.cache = MemoryCache(cfg.cache.max_bytes, cfg.cache.ttl_s, clock, on_evict=self.metrics.cache_evictions.inc)
         elif cfg.cache.backend == "redis":
-            self.cache = RedisCache(cfg.cache.redis_url, cfg.cache.namespace, cfg.cache.hmac_secret, cfg.cache.ttl_s)
+            self.cache = RedisCache(cfg.cache.redis_url, cfg.cache.namespace, cfg.cache.hmac_secret, cfg.cache.ttl_s,
+                                    on_tamper=self.metrics.cache_tampered.inc)
         self._cache_all = "*" in cfg.cache.models
         self._cache_models = set(cfg.cache.models)
         self.coalescer = Coalescer()
         self.inflight = 0
         self.draining = False  # reports not-ready; still serves
         self.refusing = False  # past the drain grace: new requests get 503
-        self._last_evictions = 0
-        self._last_tampered = 0
         self.metrics.attach_fleet(self.describe)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -155,14 +154,6 @@ class Gateway:
     # -- introspection ---------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         now = self.clock()
-        if isinstance(self.cache, MemoryCache):
-            ev = self.cache.stats.evictions
-            if ev > self._last_evictions:
-                self.metrics.cache_evictions.inc(ev - self._last_evictions)
-                self._last_evictions = ev
-        if self.cache is not None and self.cache.stats.tampered > self._last_tampered:
-            self.metrics.cache_tampered.inc(self.cache.stats.tampered - self._last_tampered)
-            self._last_tampered = self.cache.stats.tampered
         return {
             "home_region": self.cfg.home_region,
             "ready": self.ready(),

@@ -1,0 +1,176 @@
+"""Response cache through real gateways: hit/miss, TTL, versions, Redis sharing and integrity, coalescing."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from exporter.pipeline import export_artifact
+from tests.gateway.conftest import gateway_config, start_fleet, wait_until
+
+SECRET = "0123456789abcdef-test-secret"
+
+
+def _infer(address: str, x: np.ndarray, model: str = "lt") -> tuple[httpclient.InferResult, str | None]:
+    body_x = x.astype(np.float32)
+    client = httpclient.InferenceServerClient(address)
+    inp = httpclient.InferInput("features", list(body_x.shape), "FP32")
+    inp.set_data_from_numpy(body_x, binary_data=True)
+    result = client.infer(model, [inp])
+    # tritonclient hides response headers; ask again with urllib for the cache header
+    return result, None
+
+
+def _cache_header(address: str, x: np.ndarray, model: str = "lt", request_id: str | None = None) -> tuple[str | None, dict]:
+    import json
+
+    body: dict = {"inputs": [{"name": "features", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
+    if request_id:
+        body["id"] = request_id
+    req = urllib.request.Request(f"http://{address}/v2/models/{model}/infer", data=json.dumps(body).encode())
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.headers.get("x-skewserve-cache"), json.loads(r.read())
+
+
+def _row(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, 8)).astype(np.float32)
+
+
+def test_hit_miss_and_shared_responses_carry_their_own_id(shared_gateway) -> None:
+    x = _row(100)
+    state1, body1 = _cache_header(shared_gateway.http, x, request_id="first")
+    state2, body2 = _cache_header(shared_gateway.http, x, request_id="second")
+    state3, body3 = _cache_header(shared_gateway.http, x)
+    assert (state1, state2, state3) == ("miss", "hit", "hit")
+    assert body1["id"] == "first" and body2["id"] == "second" and "id" not in body3
+    assert body1["outputs"] == body2["outputs"] == body3["outputs"]
+    assert _cache_header(shared_gateway.http, _row(101))[0] == "miss"
+    assert _cache_header(shared_gateway.http, x, model="lt_nocache")[0] is None  # not opted in
+    g = grpcclient.InferenceServerClient(shared_gateway.grpc)
+    inp = grpcclient.InferInput("features", [1, 8], "FP32")
+    inp.set_data_from_numpy(_row(102))
+    first = g.infer("lt", [inp], request_id="g1")
+    second = g.infer("lt", [inp], request_id="g2")
+    assert second.get_response().id == "g2" and first.get_response().id == "g1"
+    np.testing.assert_array_equal(first.as_numpy("probabilities"), second.as_numpy("probabilities"))
+    hits = shared_gateway.admin()["cache"]["hits"]
+    assert hits >= 3
+
+
+def test_errors_are_never_cached(shared_gateway) -> None:
+    import json
+
+    bad = json.dumps({"inputs": [{"name": "features", "shape": [1, 3], "datatype": "FP32", "data": [0.0] * 3}]}).encode()
+    before = shared_gateway.admin()["cache_bytes"]
+    for _ in range(2):
+        req = urllib.request.Request(f"http://{shared_gateway.http}/v2/models/lt/infer", data=bad)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=10)
+        assert info.value.code == 400 and info.value.headers.get("x-skewserve-cache") == "miss"
+    assert shared_gateway.admin()["cache_bytes"] == before
+
+
+def test_ttl_expires_entries(fleet, make_gateway) -> None:
+    gw = make_gateway(gateway_config(fleet, cache={"ttl_s": 0.5}))
+    x = _row(200)
+    assert _cache_header(gw.http, x)[0] == "miss"
+    assert _cache_header(gw.http, x)[0] == "hit"
+    time.sleep(0.7)
+    assert _cache_header(gw.http, x)[0] == "miss"
+
+
+def _success_count(fleet, model: str) -> int:
+    total = 0
+    for servers in fleet.values():
+        for s in servers:
+            stats = httpclient.InferenceServerClient(s.http_address).get_inference_statistics(model)
+            total += sum(int(m["inference_stats"]["success"]["count"]) for m in stats["model_stats"])
+    return total
+
+
+def test_identical_concurrent_requests_reach_triton_once(fleet, make_gateway) -> None:
+    gw = make_gateway(gateway_config(fleet))
+    x = _row(300)
+    before = _success_count(fleet, "lt")
+    n = 16
+    barrier = threading.Barrier(n)
+    results: list[np.ndarray] = []
+    errors: list[str] = []
+
+    def one() -> None:
+        client = grpcclient.InferenceServerClient(gw.grpc)
+        inp = grpcclient.InferInput("features", [1, 8], "FP32")
+        inp.set_data_from_numpy(x)
+        barrier.wait()
+        try:
+            results.append(client.infer("lt", [inp]).as_numpy("probabilities"))
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(results) == n
+    assert all(np.array_equal(r, results[0]) for r in results)
+    assert _success_count(fleet, "lt") - before == 1
+    text = gw.metrics()
+    hits = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith('skewserve_gateway_cache_requests_total{model="lt",result="hit"}'))
+    coalesced = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith('skewserve_gateway_coalesced_requests_total{model="lt"}'))
+    assert hits + coalesced == n - 1
+
+
+def test_redis_is_shared_by_two_gateways_and_tampering_is_rejected(fleet, make_gateway, redis_url: str) -> None:
+    cache = {"backend": "redis", "redis_url": redis_url, "hmac_secret": SECRET, "namespace": "t1"}
+    gw1 = make_gateway(gateway_config(fleet, cache=cache))
+    gw2 = make_gateway(gateway_config(fleet, cache=cache))
+    x = _row(400)
+    state, body = _cache_header(gw1.http, x)
+    assert state == "miss"
+    state2, body2 = _cache_header(gw2.http, x)
+    assert state2 == "hit" and body2["outputs"] == body["outputs"]
+
+    client = redis.Redis.from_url(redis_url)
+    keys = client.keys("t1:*")
+    assert len(keys) == 1
+    raw = bytearray(client.get(keys[0]))
+    raw[-3] ^= 0x01  # flip one bit of the stored response
+    client.set(keys[0], bytes(raw))
+    state3, body3 = _cache_header(gw2.http, x)
+    assert state3 == "miss" and body3["outputs"] == body["outputs"]
+    assert "skewserve_gateway_cache_integrity_failures_total 1.0" in gw2.metrics()
+    assert _cache_header(gw1.http, x)[0] == "hit"  # re-stored intact after the miss
+
+
+@pytest.mark.slow
+def test_new_model_version_is_never_served_a_stale_entry(gateway_repo: Path, small_artifact: Path, tmp_path: Path,
+                                                         prepared_triton, make_gateway) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(gateway_repo / "lt", repo / "lt")
+    fleet = start_fleet(repo, {"us-east": 1}, tmp_path / "logs", prepared_triton, model_control_mode="explicit", load_models=("lt",))
+    try:
+        gw = make_gateway(gateway_config(fleet))
+        x = _row(500)
+        assert _cache_header(gw.http, x)[0] == "miss"
+        state, body = _cache_header(gw.http, x)
+        assert state == "hit" and body["model_version"] == "1"
+        export_artifact(small_artifact, repo, "lt", tensorrt="off")
+        httpclient.InferenceServerClient(fleet["us-east"][0].http_address).load_model("lt")
+        wait_until(lambda: "2" in gw.server("us-east-0")["models"].get("lt", []), what="gateway to see version 2")
+        state, body = _cache_header(gw.http, x)
+        assert state == "miss" and body["model_version"] == "2"
+        state, body = _cache_header(gw.http, x)
+        assert state == "hit" and body["model_version"] == "2"
+    finally:
+        for s in fleet["us-east"]:
+            s.stop()
