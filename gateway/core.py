@@ -93,7 +93,8 @@ class Gateway:
         if self.refusing:
             self.metrics.shed.labels("draining").inc()
             raise Overloaded("gateway is shutting down; retry on another replica")
-        if self.inflight >= self.cfg.limits.max_inflight:
+        # The fronts count a request in flight before admitting it, so it is over the limit only above it.
+        if self.inflight > self.cfg.limits.max_inflight:
             self.metrics.shed.labels("inflight").inc()
             raise Overloaded(f"gateway is at its in-flight limit ({self.cfg.limits.max_inflight}); retry later")
         principal = self.auth.authenticate(authorization, api_key)
