@@ -190,11 +190,11 @@ def _read_file(path: Path) -> dict[str, Any]:
 def format_validation_error(exc: ValidationError, source: str) -> str:
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         value = err.get("input")
-        shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
-        parts.append(f"{loc}: {msg}{shown}")
+        shown = "" if isinstance(value, dict | list) or value is None or not loc else f" (got {value!r})"
+        parts.append(f"{loc}: {msg}{shown}" if loc else msg)
     return f"invalid gateway config {source}: " + "; ".join(parts)
 
 

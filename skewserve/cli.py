@@ -9,6 +9,7 @@ import logging
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -25,6 +26,8 @@ app = typer.Typer(
 )
 triton_app = typer.Typer(help="Run real tritonserver processes locally (CPU profile).", no_args_is_help=True)
 app.add_typer(triton_app, name="triton")
+gateway_app = typer.Typer(help="The multi-region KServe v2 gateway (HTTP + gRPC).", invoke_without_command=True)
+app.add_typer(gateway_app, name="gateway")
 data_app = typer.Typer(help="Data sets: generate long-tailed data, inspect class balance.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 # Wide enough when piped (tests, logs) that endpoint URLs are never cut.
@@ -254,6 +257,80 @@ def rollout_command(
     for r in done:
         console.print(f"{r.server}: version {version} ready in {r.ready_s:.1f}s, canary max |Δp| {r.canary_max_abs_error:.1e} "
                       f"(was serving {', '.join(r.previous_versions) or 'nothing'})")
+
+
+@gateway_app.callback()
+def gateway_command(
+    ctx: typer.Context,
+    config: Path | None = typer.Option(None, "--config", help="Gateway config (YAML or TOML); env SKEWSERVE_GATEWAY_* overrides."),
+) -> None:
+    """Run the gateway in front of the Triton servers named in --config."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if config is None:
+        raise typer.BadParameter("give --config FILE (see deploy/gateway.example.yaml)", param_hint="--config")
+    from gateway.config import ConfigError, load_gateway_config
+    from gateway.logs import configure_logging
+    from gateway.server import run
+
+    try:
+        cfg = load_gateway_config(config)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    configure_logging(cfg.log_json)
+    run(cfg)
+
+
+@gateway_app.command("hash-key")
+def hash_key_command(key: str = typer.Argument(..., help="The API key to hash for auth.keys[].sha256.")) -> None:
+    """Print the SHA-256 to put in the config for an API key (the key itself is never stored)."""
+    from gateway.auth import hash_key
+
+    print(hash_key(key))
+
+
+@app.command("up")
+def up_command(
+    config: Path = typer.Option(..., "--config", help="Stack config: model repository, regions, gateway settings."),
+    log_dir: Path = typer.Option(Path("runs/stack-logs"), "--log-dir"),
+) -> None:
+    """Start the Triton servers the config names (local CPU profile) and the gateway; Ctrl-C stops all."""
+    from skewserve.errors import SkewserveError
+    from skewserve.stack import LocalStack, StackConfigError, load_stack_config
+
+    _setup_logging(False)
+    try:
+        stack_cfg = load_stack_config(config)
+    except StackConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    stack = LocalStack(stack_cfg, log_dir)
+    try:
+        with console.status("starting tritonserver processes and the gateway"):
+            stack.start()
+    except (SkewserveError, OSError, RuntimeError) as exc:
+        stack.stop()
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    try:
+        print_stack(stack)
+        console.print("serving; press Ctrl-C to stop")
+        wait_for_interrupt()
+    finally:
+        stack.stop()
+        console.print("stopped the gateway and all servers")
+
+
+def print_stack(stack: Any) -> None:
+    table = Table(title="skewserve local stack")
+    for col in ("role", "region", "name", "http", "grpc", "pid"):
+        table.add_column(col, no_wrap=True)
+    gw_pid = str(stack.gateway_proc.pid) if stack.gateway_proc else "-"
+    table.add_row("gateway", stack.config.gateway["home_region"] + " (home)", "gateway", f"http://{stack.gateway_http}", stack.gateway_grpc, gw_pid)
+    for s in stack.fleet.servers:
+        table.add_row("triton", s.spec.region, s.spec.name, s.http_url, s.grpc_address, str(s.pid))
+    console.print(table)
 
 
 def main() -> None:
