@@ -158,6 +158,9 @@ class HttpFront:
 
             cache_state = None
             if gw.cache_enabled(model):
+                # One stored entry must serve every client: ask Triton for the identity encoding
+                # (HTTP lets a server ignore Accept-Encoding), so entries are never gzip bytes.
+                forward = [(k, v) for k, v in forward if k != b"accept-encoding"]
                 resp, route, cache_state = await self._cached(model, version, pinned, deadline, body, hl, parsed, attempt)
             else:
                 outcome = await gw.send(model, version, pinned, deadline, attempt)

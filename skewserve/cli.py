@@ -333,6 +333,73 @@ def print_stack(stack: Any) -> None:
     console.print(table)
 
 
+@app.command("loadtest")
+def loadtest_command(
+    target: str = typer.Option(..., "--target", help="Gateway (or Triton) URL: http://host:port, or host:port for gRPC."),
+    protocol: str = typer.Option("http-binary", "--protocol", help="http | http-binary | grpc"),
+    model: str = typer.Option(..., "--model", help="Hot model name."),
+    users: int = typer.Option(4, "--users", min=1),
+    spawn_rate: float = typer.Option(4.0, "--spawn-rate"),
+    duration: str = typer.Option("20s", "--duration", help="Bounded run time: 30s, 2m..."),
+    shape: str = typer.Option("steady", "--shape", help="steady | ramp | spike | soak"),
+    keys: int = typer.Option(1000, "--keys", help="Distinct inputs (the key space)."),
+    zipf: float = typer.Option(1.1, "--zipf", help="Zipf exponent of key popularity (0 = uniform)."),
+    cold_model: str = typer.Option("", "--cold-model", help="A second, rarely used model."),
+    cold_fraction: float = typer.Option(0.0, "--cold-fraction"),
+    regions: str = typer.Option("", "--regions", help="Pin requests to these regions at random (comma-separated)."),
+    metrics_url: str | None = typer.Option(None, "--metrics-url", help="Gateway /metrics (default: from an HTTP target)."),
+    slo: Path | None = typer.Option(None, "--slo", help="YAML with p95_ms, p99_ms, error_rate; breach = exit 1."),
+    out: Path = typer.Option(Path("runs/loadtest"), "--out"),
+) -> None:
+    """Run a bounded locust load with skewed traffic; write CSV, HTML and PNG; gate on an SLO file."""
+    from loadtests.mix import MixSettings
+    from loadtests.report import load_slo
+    from loadtests.runner import LoadTestSpec, model_feature_count, parse_duration, run_loadtest
+
+    try:
+        slo_bounds = load_slo(slo) if slo else None
+        seconds = parse_duration(duration)
+        if metrics_url is None and protocol != "grpc":
+            metrics_url = (target if target.startswith("http") else f"http://{target}").rstrip("/") + "/metrics"
+        features = model_feature_count(target, protocol, model)
+        spec = LoadTestSpec(
+            target=target, protocol=protocol, users=users, spawn_rate=spawn_rate, duration_s=seconds, shape=shape,
+            out_dir=out, metrics_url=metrics_url, slo=slo_bounds,
+            mix=MixSettings(model=model, n_features=features, keys=keys, zipf_s=zipf, cold_model=cold_model,
+                            cold_fraction=cold_fraction, regions=tuple(r for r in regions.split(",") if r)),
+        )
+    except Exception as exc:  # bad options or an unreachable target: say which
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    with console.status(f"locust: {users} {protocol} users, {shape} shape, {seconds:.0f}s"):
+        try:
+            result = run_loadtest(spec)
+        except RuntimeError as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(1) from exc
+    print_loadtest(result)
+    if result.breaches:
+        console.print(f"[red]SLO breached:[/red] {'; '.join(result.breaches)}")
+        raise typer.Exit(1)
+
+
+def print_loadtest(result: Any) -> None:
+    table = Table(title="load test")
+    for col in ("request", "requests", "failures", "rps", "p50 ms", "p95 ms", "p99 ms"):
+        table.add_column(col, justify="left" if col == "request" else "right", no_wrap=True)
+    for r in [*result.rows, result.total]:
+        table.add_row(r.name, str(r.requests), str(r.failures), f"{r.rps:.1f}", f"{r.p50_ms:.1f}", f"{r.p95_ms:.1f}", f"{r.p99_ms:.1f}")
+    console.print(table)
+    extra = []
+    if result.cache_hit_rate is not None:
+        extra.append(f"gateway cache hit rate {100 * result.cache_hit_rate:.1f}%")
+    if result.spillovers is not None:
+        extra.append(f"spill-overs {result.spillovers:.0f}")
+    if extra:
+        console.print(", ".join(extra))
+    console.print("files: " + ", ".join(str(p) for p in result.files.values()))
+
+
 def main() -> None:
     app()
 

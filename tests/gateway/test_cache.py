@@ -66,6 +66,21 @@ def test_hit_miss_and_shared_responses_carry_their_own_id(shared_gateway) -> Non
     assert hits >= 3
 
 
+def test_clients_asking_for_gzip_share_entries_with_everyone(shared_gateway) -> None:
+    import json
+
+    x = _row(150)
+    body = json.dumps({"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": x.ravel().tolist()}]}).encode()
+    states = []
+    for _ in range(2):
+        req = urllib.request.Request(f"http://{shared_gateway.http}/v2/models/lt/infer", data=body, headers={"Accept-Encoding": "gzip"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            states.append(r.headers["x-skewserve-cache"])
+            assert json.loads(r.read())["model_name"] == "lt"
+    assert states == ["miss", "hit"]
+    assert _cache_header(shared_gateway.http, x)[0] == "hit"
+
+
 def test_errors_are_never_cached(shared_gateway) -> None:
     import json
 
