@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import warnings
 from collections import deque
 from pathlib import Path
 
@@ -22,8 +23,11 @@ def export_onnx(module: ServingModule, contract: ServingContract, path: Path, ma
     """Export with torch.export (PyTorch's supported ONNX path); onnx.checker must pass."""
     example = torch.zeros(2, contract.n_features)
     batch = torch.export.Dim("batch", min=1, max=max(2, max_batch))
-    # The exporter narrates progress on stdout; keep it off the CLI's output.
-    with contextlib.redirect_stdout(io.StringIO()):
+    # The exporter narrates progress on stdout and warns about optional torchvision ops and its own
+    # deprecations; none of it concerns this graph, so keep it off the CLI's output.
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\..*|copyreg")
         program = torch.onnx.export(
             module, (example,), dynamo=True, opset_version=OPSET,
             input_names=[INPUT_NAME], output_names=contract.output_names,

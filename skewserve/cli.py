@@ -400,6 +400,30 @@ def print_loadtest(result: Any) -> None:
     console.print("files: " + ", ".join(str(p) for p in result.files.values()))
 
 
+@app.command("demo")
+def demo_command(
+    out: Path = typer.Option(Path("runs/demo"), "--out", help="Working directory for data, artifact, logs, reports."),
+    repo: Path = typer.Option(Path("model_repository"), "--repo", help="Model repository to publish into."),
+    load_seconds: float = typer.Option(20.0, "--load-seconds", help="Length of the locust run."),
+    epochs: int = typer.Option(20, "--epochs"),
+) -> None:
+    """End to end: data -> 2-rank training -> export -> 2 regions of Triton + gateway -> calls -> load -> summary."""
+    import json as _json
+
+    from skewserve.demo import Demo, DemoFailed
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        summary = Demo(out, repo, console, load_seconds=load_seconds, epochs=epochs).run()
+    except DemoFailed as exc:
+        console.print(f"[red]demo stopped:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    (out / "summary.json").write_text(_json.dumps(summary, indent=2))
+    if summary["failures"]:
+        console.print(f"[red]{summary['failures']} requests failed during the load[/red]")
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

@@ -49,3 +49,14 @@ def small_artifact(tmp_path_factory: pytest.TempPathFactory, small_data: Path) -
     out = tmp_path_factory.mktemp("artifact") / "art"
     train(TrainConfig(data_dir=small_data, out_dir=out, epochs=4, width=32, progress=False))
     return out
+
+
+@pytest.fixture(scope="session")
+def gateway_repo(small_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model repository with `lt` (cache opted in by gateway tests) and `lt_nocache`."""
+    from exporter.pipeline import export_artifact
+
+    repo = tmp_path_factory.mktemp("gw_repo")
+    export_artifact(small_artifact, repo, "lt", tensorrt="off")
+    export_artifact(small_artifact, repo, "lt_nocache", tensorrt="off")
+    return repo

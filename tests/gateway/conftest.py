@@ -17,18 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-from exporter.pipeline import export_artifact
 from skewserve.ports import free_port
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
-
-
-@pytest.fixture(scope="session")
-def gateway_repo(small_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    repo = tmp_path_factory.mktemp("gw_repo")
-    export_artifact(small_artifact, repo, "lt", tensorrt="off")
-    export_artifact(small_artifact, repo, "lt_nocache", tensorrt="off")
-    return repo
 
 
 def start_fleet(repo: Path, layout: dict[str, int], log_dir: Path, prepared: PreparedTriton, **spec: Any) -> dict[str, list[TritonServer]]:

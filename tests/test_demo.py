@@ -1,0 +1,23 @@
+"""`make demo`'s job (`skewserve demo`) end to end, in its own folders."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "skewserve.cli", "demo", "--out", str(tmp_path / "demo"), "--repo", str(tmp_path / "repo"),
+                          "--load-seconds", "5", "--epochs", "4"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for step in ("step 1/8", "step 8/8", "predictions through the gateway", "per-class recall", "demo finished"):
+        assert step in res.stdout
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert summary["failures"] == 0 and summary["requests"] > 0 and summary["cache_hit_rate"] > 0.5
+    assert (tmp_path / "repo" / "longtail" / "1" / "model.onnx").is_file()
+    assert (tmp_path / "demo" / "loadtest" / "latency.png").is_file()
