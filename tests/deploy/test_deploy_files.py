@@ -1,0 +1,88 @@
+"""Deployment files are validated here (no Docker engine or cluster on these machines)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.config import load_gateway_config
+from skewserve.stack import load_stack_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+METRIC = re.compile(r"\b(skewserve_gateway_[a-z_]+?)(?:_bucket|_count|_sum)?\b")
+
+
+def _metric_names() -> set[str]:
+    import asyncio
+
+    from gateway.config import GatewayConfig
+    from gateway.core import Gateway
+
+    async def render() -> str:
+        gw = Gateway(GatewayConfig(home_region="a", regions=[{"name": "a", "servers": [{"name": "s", "http": "h:1", "grpc": "h:2"}]}]))
+        text = gw.metrics.render().decode()
+        await gw.stop()
+        return text
+
+    text = asyncio.run(render())
+    return {m.group(1) for m in re.finditer(r"^# TYPE (skewserve_gateway_\w+)", text, re.M)}
+
+
+def test_prometheus_rules_check_and_unit_tests_pass() -> None:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is required (make setup installs Debian's prometheus package)"
+    subprocess.run([promtool, "check", "rules", "rules.yml"], cwd=DEPLOY / "prometheus", check=True, capture_output=True)
+    res = subprocess.run([promtool, "test", "rules", "rules_test.yml"], cwd=DEPLOY / "prometheus", capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_rules_and_dashboard_only_use_metrics_the_gateway_exports() -> None:
+    exported = _metric_names()
+    texts = [(DEPLOY / "prometheus" / "rules.yml").read_text(), (DEPLOY / "grafana" / "skewserve-gateway.json").read_text()]
+    used = {m.group(1) for t in texts for m in METRIC.finditer(t)}
+    counters = {n.removesuffix("_total") for n in exported}
+    unknown = {u for u in used if u not in exported and u.removesuffix("_total") not in counters}
+    assert not unknown, f"not exported by the gateway: {unknown}"
+
+
+def test_dashboard_is_valid_grafana_json() -> None:
+    dash = json.loads((DEPLOY / "grafana" / "skewserve-gateway.json").read_text())
+    assert dash["uid"] == "skewserve-gateway" and len(dash["panels"]) >= 8
+    assert all(p["targets"] and p["targets"][0]["expr"] for p in dash["panels"])
+
+
+def test_kubernetes_manifests_parse_and_embed_a_valid_gateway_config(tmp_path: Path) -> None:
+    docs = [d for f in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "StatefulSet", "Service", "ConfigMap", "PodDisruptionBudget", "HorizontalPodAutoscaler"} <= kinds
+    for d in docs:
+        assert d["apiVersion"] and d["metadata"]["name"]
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["gateway.yaml"]
+    (tmp_path / "gw.yaml").write_text(config.replace("set-by-env-SKEWSERVE_GATEWAY_CACHE__HMAC_SECRET", "x" * 32))
+    cfg = load_gateway_config(tmp_path / "gw.yaml")
+    assert cfg.home_region == "us-east" and cfg.cache.backend == "redis"
+    gateway = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "skewserve-gateway")
+    grace = gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > cfg.drain.grace_s + cfg.drain.timeout_s
+
+
+@pytest.mark.parametrize("name", ["gateway.Dockerfile", "triton.Dockerfile"])
+def test_dockerfiles_copy_only_what_exists(name: str) -> None:
+    text = (DEPLOY / name).read_text()
+    assert text.splitlines()[0].startswith("#") and re.search(r"^FROM ", text, re.M)
+    for src in re.findall(r"^COPY (?!--from)(\S+)", text, re.M):
+        assert (ROOT / src).exists() or src == "model_repository", src
+    assert "HEALTHCHECK" in text and "ENTRYPOINT" in text
+
+
+def test_example_configs_are_valid() -> None:
+    load_gateway_config(DEPLOY / "gateway.example.yaml")
+    cfg = load_stack_config(DEPLOY / "stack.local.yaml")
+    assert cfg.regions == {"us-east": 2, "eu-west": 1}
