@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from tritonclient.grpc import service_pb2  # noqa: E402
 from exporter.pipeline import export_artifact  # noqa: E402
 from exporter.triton_config import ConfigOptions  # noqa: E402
 from gateway.upstream_http import HttpPool  # noqa: E402
+from skewserve.gateway_process import start_gateway_process  # noqa: E402
 from skewserve.ports import free_port  # noqa: E402
 from skewserve.triton_process import TritonServer, TritonServerSpec  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
@@ -46,13 +46,28 @@ ROW = np.random.default_rng(0).standard_normal((1, N_FEATURES)).astype(np.float3
 
 
 def http_request(model: str, x: np.ndarray = ROW) -> tuple[bytes, bytes, list[tuple[bytes, bytes]]]:
-    header = json.dumps({
-        "inputs": [{"name": "features", "shape": list(x.shape), "datatype": "FP32", "parameters": {"binary_data_size": x.nbytes}}],
-        "outputs": [{"name": "probabilities", "parameters": {"binary_data": True}}],
-    }).encode()
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "features",
+                    "shape": list(x.shape),
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": x.nbytes},
+                }
+            ],
+            "outputs": [{"name": "probabilities", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
     path = f"/v2/models/{model}/infer".encode()
-    return path, header + x.tobytes(), [(b"Inference-Header-Content-Length", str(len(header)).encode()),
-                                        (b"Content-Type", b"application/octet-stream")]
+    return (
+        path,
+        header + x.tobytes(),
+        [
+            (b"Inference-Header-Content-Length", str(len(header)).encode()),
+            (b"Content-Type", b"application/octet-stream"),
+        ],
+    )
 
 
 def grpc_request(model: str, x: np.ndarray = ROW) -> bytes:
@@ -77,7 +92,9 @@ async def drive(protocol: str, address: str, model: str, concurrency: int, secon
                 raise RuntimeError(f"{address}: HTTP {resp.status}: {resp.body[:200]!r}")
     else:
         channel = grpc.aio.insecure_channel(address)
-        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None, response_deserializer=None)
+        call = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer", request_serializer=None, response_deserializer=None
+        )
         raw = grpc_request(model)
 
         async def one() -> None:
@@ -109,27 +126,30 @@ def pct(values: list[float], q: float) -> float:
 
 
 class Gateway:
-    def __init__(self, servers: dict[str, list[tuple[str, str]]], workdir: Path, name: str, **overrides: object) -> None:
+    def __init__(
+        self, servers: dict[str, list[tuple[str, str]]], workdir: Path, name: str, **overrides: object
+    ) -> None:
         import yaml
 
         self.http_port, self.grpc_port = free_port(), free_port()
         cfg: dict = {
-            "home_region": next(iter(servers)), "listen": {"http_port": self.http_port, "grpc_port": self.grpc_port},
-            "log_json": True, "cache": {"backend": "memory", "models": ["bench_gwcache"]},
+            "home_region": next(iter(servers)),
+            "listen": {"http_port": self.http_port, "grpc_port": self.grpc_port},
+            "log_json": True,
+            "cache": {"backend": "memory", "models": ["bench_gwcache"]},
             "health": {"interval_s": 0.5},
-            "regions": [{"name": r, "servers": [{"name": f"{r}-{i}", "http": h, "grpc": g} for i, (h, g) in enumerate(s)]}
-                        for r, s in servers.items()],
+            "regions": [
+                {
+                    "name": r,
+                    "servers": [{"name": f"{r}-{i}", "http": h, "grpc": g} for i, (h, g) in enumerate(s)],
+                }
+                for r, s in servers.items()
+            ],
         } | overrides
         path = workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        ready = workdir / f"{name}.ready"
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path), "--ready-file", str(ready)],
-                                     stdout=open(workdir / f"{name}.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
-        deadline = time.monotonic() + 60
-        while not (ready.exists() and ready.read_text().strip()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((workdir / f"{name}.log").read_text()[-2000:])
-            time.sleep(0.05)
+        self.process = start_gateway_process(path, workdir / f"{name}.log")
+        self.proc = self.process.proc
         time.sleep(1.0)  # a couple of health rounds
 
     @property
@@ -141,11 +161,10 @@ class Gateway:
         return f"127.0.0.1:{self.grpc_port}"
 
     def stop(self) -> None:
-        self.proc.send_signal(2)
-        self.proc.wait(15)
+        self.process.stop()
 
 
-DELAY_PROXY = r'''
+DELAY_PROXY = r"""
 import asyncio, sys
 listen, target, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 async def pipe(r, w, d):
@@ -162,24 +181,32 @@ async def main():
     srv = await asyncio.start_server(handle, "127.0.0.1", listen)
     async with srv: await srv.serve_forever()
 asyncio.run(main())
-'''
+"""
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
     args = parser.parse_args()
     secs = args.seconds
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         write(SynthSpec(n_features=N_FEATURES, seed=0), work / "data")
         train(TrainConfig(data_dir=work / "data", out_dir=work / "art", epochs=3, progress=False))
         repo = work / "repo"
         for name, cache in (("bench", False), ("bench_gwcache", False), ("bench_tcache", True)):
-            export_artifact(work / "art", repo, name, tensorrt="off", options=ConfigOptions(response_cache=cache))
+            export_artifact(
+                work / "art", repo, name, tensorrt="off", options=ConfigOptions(response_cache=cache)
+            )
         logs = work / "logs"
-        a = TritonServer(TritonServerSpec(repository=repo, name="a", cache_config=("local,size=16777216",)), logs).start()
+        a = TritonServer(
+            TritonServerSpec(repository=repo, name="a", cache_config=("local,size=16777216",)), logs
+        ).start()
         b = TritonServer(TritonServerSpec(repository=repo, name="b"), logs).start()
         procs: list[subprocess.Popen] = []
         try:
@@ -195,7 +222,9 @@ def run_all(a: TritonServer, b: TritonServer, work: Path, secs: float, procs: li
     gw = Gateway({"local": [(a.http_address, a.grpc_address)]}, work, "hop")
     try:
         print("\n## 1. Gateway hop (model `bench`, one row of 16 features; direct and gateway alternate)\n")
-        print("| protocol | concurrency | direct p50 ms | gateway p50 ms | added p50 ms | direct rps | gateway rps | ratio | gateway CPU us/req |")
+        print(
+            "| protocol | concurrency | direct p50 ms | gateway p50 ms | added p50 ms | direct rps | gateway rps | ratio | gateway CPU us/req |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for protocol in ("http", "grpc"):
             for conc in (1, 8):
@@ -207,7 +236,10 @@ def run_all(a: TritonServer, b: TritonServer, work: Path, secs: float, procs: li
                 cpu_us = (cpu_seconds(gw.proc.pid) - cpu0) / len(via) * 1e6
                 d50, g50 = pct(direct, 50), pct(via, 50)
                 d_rps, g_rps = len(direct) / secs, len(via) / secs
-                print(f"| {protocol} | {conc} | {d50:.3f} | {g50:.3f} | {g50 - d50:+.3f} | {d_rps:.0f} | {g_rps:.0f} | {g_rps / d_rps:.2f}x | {cpu_us:.0f} |", flush=True)
+                print(
+                    f"| {protocol} | {conc} | {d50:.3f} | {g50:.3f} | {g50 - d50:+.3f} | {d_rps:.0f} | {g_rps:.0f} | {g_rps / d_rps:.2f}x | {cpu_us:.0f} |",
+                    flush=True,
+                )
 
         print("\n## 2. Cache: the same request repeated, concurrency 1\n")
         print("| path | p50 ms | p99 ms | gateway CPU us/req |")
@@ -232,15 +264,25 @@ def run_all(a: TritonServer, b: TritonServer, work: Path, secs: float, procs: li
     delay = 4 * base  # the proxy adds 4x the server's own median: 5x its latency
     http_proxy, grpc_proxy = free_port(), free_port()
     for listen, target in ((http_proxy, b.http_port), (grpc_proxy, b.grpc_port)):
-        procs.append(subprocess.Popen([sys.executable, "-c", DELAY_PROXY, str(listen), str(target), str(delay)]))
+        procs.append(
+            subprocess.Popen([sys.executable, "-c", DELAY_PROXY, str(listen), str(target), str(delay)])
+        )
     time.sleep(1.0)
     healthy = {"local": [(a.http_address, a.grpc_address), (b.http_address, b.grpc_address)]}
-    slowed = {"local": [(a.http_address, a.grpc_address), (f"127.0.0.1:{http_proxy}", f"127.0.0.1:{grpc_proxy}")]}
-    print(f"(slow server: +{delay * 1000:.2f} ms per response through a delaying TCP proxy; its direct median is {base * 1000:.2f} ms)\n")
+    slowed = {
+        "local": [(a.http_address, a.grpc_address), (f"127.0.0.1:{http_proxy}", f"127.0.0.1:{grpc_proxy}")]
+    }
+    print(
+        f"(slow server: +{delay * 1000:.2f} ms per response through a delaying TCP proxy; its direct median is {base * 1000:.2f} ms)\n"
+    )
     print("| fleet | balancer | p50 ms | p99 ms | p99 / all-healthy p99 |")
     print("|---|---|---:|---:|---:|")
     results = {}
-    for label, servers, policy in (("all healthy", healthy, "p2c_ewma"), ("one slow", slowed, "p2c_ewma"), ("one slow", slowed, "round_robin")):
+    for label, servers, policy in (
+        ("all healthy", healthy, "p2c_ewma"),
+        ("one slow", slowed, "p2c_ewma"),
+        ("one slow", slowed, "round_robin"),
+    ):
         g = Gateway(servers, work, f"slow-{policy}-{len(results)}", balancing={"policy": policy})
         try:
             lat = asyncio.run(drive("grpc", g.grpc, "bench", 4, secs))
@@ -248,7 +290,10 @@ def run_all(a: TritonServer, b: TritonServer, work: Path, secs: float, procs: li
             g.stop()
         results[(label, policy)] = pct(lat, 99)
         ref = results[("all healthy", "p2c_ewma")]
-        print(f"| {label} | {policy} | {pct(lat, 50):.3f} | {pct(lat, 99):.3f} | {pct(lat, 99) / ref:.2f}x |", flush=True)
+        print(
+            f"| {label} | {policy} | {pct(lat, 50):.3f} | {pct(lat, 99):.3f} | {pct(lat, 99) / ref:.2f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -53,7 +53,9 @@ def sklearn_reference(data_dir: Path) -> dict[str, float]:
 
 
 def quality(work: Path, epochs: int, seeds: list[int]) -> None:
-    print(f"\n## Quality: 10 classes, imbalance ratio 100, test split class-balanced; mean over seeds {seeds}\n")
+    print(
+        f"\n## Quality: 10 classes, imbalance ratio 100, test split class-balanced; mean over seeds {seeds}\n"
+    )
     print(f"| {'method':34s} | bal. acc | macro-F1 | tail-3 recall |")
     print(f"|{'-' * 36}|---------:|---------:|--------------:|")
     rows = []
@@ -64,7 +66,14 @@ def quality(work: Path, epochs: int, seeds: list[int]) -> None:
         b, f, tail = [], [], []
         for seed in seeds:
             out = work / f"q-{name.split()[0]}-{overrides.get('sampler_q', 1)}-{seed}"
-            cfg = TrainConfig(data_dir=work / f"data-{seed}", out_dir=out, epochs=epochs, seed=seed, progress=False, **overrides)
+            cfg = TrainConfig(
+                data_dir=work / f"data-{seed}",
+                out_dir=out,
+                epochs=epochs,
+                seed=seed,
+                progress=False,
+                **overrides,
+            )
             train(cfg)
             m = json.loads((out / "metrics.json").read_text())["test"]
             b.append(m["balanced_accuracy"])
@@ -80,8 +89,10 @@ def quality(work: Path, epochs: int, seeds: list[int]) -> None:
     default = TrainConfig.model_fields["loss"].default
     ce = rows[0][1]
     dflt = next(r for r in rows if r[0].startswith(default))[1]
-    print(f"\ndefault loss `{default}`: {100 * (dflt - ce):+.1f} points of balanced accuracy over plain CE, "
-          f"{100 * (dflt - rb):+.1f} over the scikit-learn reference")
+    print(
+        f"\ndefault loss `{default}`: {100 * (dflt - ce):+.1f} points of balanced accuracy over plain CE, "
+        f"{100 * (dflt - rb):+.1f} over the scikit-learn reference"
+    )
 
 
 def balance(work: Path, epochs: int) -> None:
@@ -93,27 +104,49 @@ def balance(work: Path, epochs: int) -> None:
     walls = {}
     for on in (False, True):
         out = work / f"balance-{on}"
-        cfg = TrainConfig(data_dir=data, out_dir=out, epochs=epochs, nproc=2, slow_rank=1, slow_factor=2.0,
-                          speed_balance=on, width=512, depth=3, global_batch_size=2048, patience=None, progress=False)
+        cfg = TrainConfig(
+            data_dir=data,
+            out_dir=out,
+            epochs=epochs,
+            nproc=2,
+            slow_rank=1,
+            slow_factor=2.0,
+            speed_balance=on,
+            width=512,
+            depth=3,
+            global_batch_size=2048,
+            patience=None,
+            progress=False,
+        )
         train(cfg, log_path=work / f"balance-{on}.log")
-        epochs_log = [json.loads(line) for line in (out / "checkpoints" / "monitor-epochs.jsonl").read_text().splitlines()]
+        epochs_log = [
+            json.loads(line)
+            for line in (out / "checkpoints" / "monitor-epochs.jsonl").read_text().splitlines()
+        ]
         steady = epochs_log[1:] or epochs_log  # epoch 0 includes the balancer's first measurements
         wall = float(np.mean([e["wall_s"] for e in steady]))
         ratio = float(np.mean([e["imbalance_ratio"] for e in steady]))
         walls[on] = wall
-        print(f"| {'on' if on else 'off':15s} | {wall * 1000:15.1f} | {ratio:29.3f} | {steady[-1]['rank_shares']} |", flush=True)
+        print(
+            f"| {'on' if on else 'off':15s} | {wall * 1000:15.1f} | {ratio:29.3f} | {steady[-1]['rank_shares']} |",
+            flush=True,
+        )
     print(f"\nspeed-up with balancing: {walls[False] / walls[True]:.2f}x")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="one seed, fewer epochs")
     parser.add_argument("--only", choices=["quality", "balance"], help="run one part")
     args = parser.parse_args()
     import os
     import platform
 
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}; {time.strftime('%Y-%m-%d')}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}; {time.strftime('%Y-%m-%d')}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.only != "balance":

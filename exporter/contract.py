@@ -39,8 +39,14 @@ class ServingContract:
         inputs = meta["inputs"]
         bad = [i["name"] for i in inputs if i.get("dtype") != "float32"]
         if bad:
-            raise ValueError(f"artifact inputs {bad} are not float32; the serving graph takes float32 features")
-        return cls(n_features=len(inputs), classes=tuple(meta["classes"]), feature_names=tuple(i["name"] for i in inputs))
+            raise ValueError(
+                f"artifact inputs {bad} are not float32; the serving graph takes float32 features"
+            )
+        return cls(
+            n_features=len(inputs),
+            classes=tuple(meta["classes"]),
+            feature_names=tuple(i["name"] for i in inputs),
+        )
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:

@@ -17,7 +17,9 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        path = os.path.join(args["model_repository"], args["model_version"], params.get("onnx_file", "model.onnx"))
+        path = os.path.join(
+            args["model_repository"], args["model_version"], params.get("onnx_file", "model.onnx")
+        )
         options = ort.SessionOptions()
         options.intra_op_num_threads = int(params.get("intra_op_threads", "1"))
         options.inter_op_num_threads = 1
@@ -36,7 +38,7 @@ class TritonPythonModel:
             wanted = set(request.requested_output_names()) or set(self.output_names)
             tensors = [
                 pb_utils.Tensor(name, np.ascontiguousarray(parts[i]))
-                for name, parts in zip(self.output_names, per_output)
+                for name, parts in zip(self.output_names, per_output, strict=True)
                 if name in wanted
             ]
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))

@@ -19,7 +19,9 @@ logger = logging.getLogger(__name__)
 OPSET = 18
 
 
-def export_onnx(module: ServingModule, contract: ServingContract, path: Path, max_batch: int) -> onnx.ModelProto:
+def export_onnx(
+    module: ServingModule, contract: ServingContract, path: Path, max_batch: int
+) -> onnx.ModelProto:
     """Export with torch.export (PyTorch's supported ONNX path); onnx.checker must pass."""
     example = torch.zeros(2, contract.n_features)
     batch = torch.export.Dim("batch", min=1, max=max(2, max_batch))
@@ -29,9 +31,15 @@ def export_onnx(module: ServingModule, contract: ServingContract, path: Path, ma
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\..*|copyreg")
         program = torch.onnx.export(
-            module, (example,), dynamo=True, opset_version=OPSET,
-            input_names=[INPUT_NAME], output_names=contract.output_names,
-            dynamic_shapes=({0: batch},), verbose=False, report=False,
+            module,
+            (example,),
+            dynamo=True,
+            opset_version=OPSET,
+            input_names=[INPUT_NAME],
+            output_names=contract.output_names,
+            dynamic_shapes=({0: batch},),
+            verbose=False,
+            report=False,
         )
     assert program is not None
     model = program.model_proto

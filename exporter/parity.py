@@ -53,11 +53,15 @@ def batch_sizes(max_batch: int) -> list[int]:
     return sorted(s for s in sizes if 1 <= s <= max_batch)
 
 
-def parity_rows(meta: dict[str, Any], val_rows: np.ndarray | None, max_batch: int, seed: int = 0) -> list[np.ndarray]:
+def parity_rows(
+    meta: dict[str, Any], val_rows: np.ndarray | None, max_batch: int, seed: int = 0
+) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     mean = np.asarray(meta["normalisation"]["mean"], dtype=np.float32)
     std = np.asarray(meta["normalisation"]["std"], dtype=np.float32)
-    batches = [(mean + std * rng.standard_normal((b, len(mean)))).astype(np.float32) for b in batch_sizes(max_batch)]
+    batches = [
+        (mean + std * rng.standard_normal((b, len(mean)))).astype(np.float32) for b in batch_sizes(max_batch)
+    ]
     if val_rows is not None and len(val_rows):
         batches += [val_rows[i : i + max_batch] for i in range(0, len(val_rows), max_batch)]
     return batches
@@ -86,7 +90,9 @@ def onnxruntime_runner(model_bytes: bytes) -> Runner:
     return run
 
 
-def compare(reference: Runner, candidate: Runner, batches: list[np.ndarray], target: str, precision: str) -> ParityReport:
+def compare(
+    reference: Runner, candidate: Runner, batches: list[np.ndarray], target: str, precision: str
+) -> ParityReport:
     err_p = err_l = 0.0
     agree = total = 0
     for x in batches:
@@ -98,9 +104,15 @@ def compare(reference: Runner, candidate: Runner, batches: list[np.ndarray], tar
     tol = TOLERANCE[precision]
     agreement = agree / max(1, total)
     return ParityReport(
-        target=target, precision=precision, rows=total, batch_sizes=sorted({len(b) for b in batches}),
-        max_abs_error_probabilities=err_p, max_abs_error_logits=err_l, argmax_agreement=agreement,
-        tolerance=tol, passed=err_p <= tol and agreement >= MIN_AGREEMENT,
+        target=target,
+        precision=precision,
+        rows=total,
+        batch_sizes=sorted({len(b) for b in batches}),
+        max_abs_error_probabilities=err_p,
+        max_abs_error_logits=err_l,
+        argmax_agreement=agreement,
+        tolerance=tol,
+        passed=err_p <= tol and agreement >= MIN_AGREEMENT,
     )
 
 

@@ -69,7 +69,9 @@ def export_artifact(
     if precision not in ("fp32", "fp16"):
         raise ExportError(f"--precision must be fp32 or fp16, got {precision!r}")
     if not name or not all(c.isalnum() or c in "-_" for c in name):
-        raise ExportError(f"model name {name!r} must be letters, digits, '-' or '_' (it becomes a folder and a URL part)")
+        raise ExportError(
+            f"model name {name!r} must be letters, digits, '-' or '_' (it becomes a folder and a URL part)"
+        )
     opts = options or ConfigOptions()
     use_trt = resolve_mode(tensorrt)
     model, meta = load_model(artifact)
@@ -83,31 +85,66 @@ def export_artifact(
         val_rows, rows_note = _validation_rows(meta)
         batches = parity_rows(meta, val_rows, opts.max_batch_size)
         reference = torch_runner(module)
-        reports = [require(compare(reference, onnxruntime_runner(fp32.SerializeToString()), batches, "onnxruntime", "fp32"))]
+        reports = [
+            require(
+                compare(
+                    reference, onnxruntime_runner(fp32.SerializeToString()), batches, "onnxruntime", "fp32"
+                )
+            )
+        ]
         served = fp32
         if precision == "fp16":
             served = convert_fp16(fp32, staging / "model.onnx")
-            reports.append(require(compare(reference, onnxruntime_runner(served.SerializeToString()), batches, "onnxruntime", "fp16")))
+            reports.append(
+                require(
+                    compare(
+                        reference,
+                        onnxruntime_runner(served.SerializeToString()),
+                        batches,
+                        "onnxruntime",
+                        "fp16",
+                    )
+                )
+            )
         ort_served = onnxruntime_runner(served.SerializeToString())
         if use_trt:
-            plan = build_plan(staging / "model.onnx", staging / "model.plan", contract.n_features, opts.max_batch_size,
-                              fp16=precision == "fp16", timing_cache=Path(repo) / ".tensorrt_timing_cache")
-            reports.append(require(compare(ort_served, tensorrt_runner(plan), batches, "tensorrt", precision)))
+            plan = build_plan(
+                staging / "model.onnx",
+                staging / "model.plan",
+                contract.n_features,
+                opts.max_batch_size,
+                fp16=precision == "fp16",
+                timing_cache=Path(repo) / ".tensorrt_timing_cache",
+            )
+            reports.append(
+                require(compare(ort_served, tensorrt_runner(plan), batches, "tensorrt", precision))
+            )
         shutil.copy2(LOCAL_RUNNER, staging / "model.py")
-        canary_x = (val_rows[:CANARY_ROWS] if val_rows is not None else batches[0][:CANARY_ROWS]).astype(np.float32)
+        canary_x = (val_rows[:CANARY_ROWS] if val_rows is not None else batches[0][:CANARY_ROWS]).astype(
+            np.float32
+        )
         canary_y = ort_served(canary_x)
         card = {
             "name": name,
             "artifact": {"path": str(Path(artifact).resolve()), "metadata": meta},
             "export": {
-                "precision": precision, "opset": OPSET, "onnx_ir_version": served.ir_version, "tensorrt": use_trt,
-                "max_batch_size": opts.max_batch_size, "options": opts.model_dump(), "parity_rows": rows_note,
-                "seconds": round(time.monotonic() - started, 2), "onnx": onnx.__version__,
+                "precision": precision,
+                "opset": OPSET,
+                "onnx_ir_version": served.ir_version,
+                "tensorrt": use_trt,
+                "max_batch_size": opts.max_batch_size,
+                "options": opts.model_dump(),
+                "parity_rows": rows_note,
+                "seconds": round(time.monotonic() - started, 2),
+                "onnx": onnx.__version__,
                 "files": {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file()},
             },
             "parity": [r.as_dict() for r in reports],
-            "canary": {"inputs": canary_x.tolist(), "outputs": {k: v.tolist() for k, v in canary_y.items()},
-                       "tolerance": reports[-1].tolerance},
+            "canary": {
+                "inputs": canary_x.tolist(),
+                "outputs": {k: v.tolist() for k, v in canary_y.items()},
+                "tolerance": reports[-1].tolerance,
+            },
         }
         (staging / CARD).write_text(json.dumps(card, indent=2))
         files = {

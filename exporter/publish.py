@@ -51,7 +51,9 @@ def model_lock(model_dir: Path, timeout_s: float = 120.0) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise PublishError(f"another export holds {model_dir}/.publish.lock for over {timeout_s:.0f}s") from None
+                    raise PublishError(
+                        f"another export holds {model_dir}/.publish.lock for over {timeout_s:.0f}s"
+                    ) from None
                 time.sleep(0.05)
         try:
             yield
@@ -115,7 +117,9 @@ def publish_version(
     labels.txt) to their text.
     """
     if not (staging / CARD).is_file():
-        raise PublishError(f"staging folder {staging} has no {CARD}; refusing to publish an incomplete version")
+        raise PublishError(
+            f"staging folder {staging} has no {CARD}; refusing to publish an incomplete version"
+        )
     local_key = f"configs/{LOCAL_PROFILE}.pbtxt"
     with model_lock(model_dir):
         if local_key in model_files:
@@ -126,7 +130,9 @@ def publish_version(
         elif version < 1:
             raise PublishError(f"version must be a positive integer, got {version}")
         elif version in taken:
-            raise PublishError(f"{model_dir.name} version {version} already exists; versions are immutable: omit --version to take {max(taken) + 1}")
+            raise PublishError(
+                f"{model_dir.name} version {version} already exists; versions are immutable: omit --version to take {max(taken) + 1}"
+            )
         # Model-level files first: Triton reads them when it loads the new version folder.
         for rel, text in model_files.items():
             _atomic_write(model_dir / rel, text)

@@ -37,14 +37,23 @@ class ServerRollout:
 
 def _ready_versions(client: httpclient.InferenceServerClient, name: str) -> list[str]:
     index = client.get_model_repository_index()
-    return sorted((m["version"] for m in index if m.get("name") == name and m.get("state") == "READY" and m.get("version")), key=int)
+    return sorted(
+        (
+            m["version"]
+            for m in index
+            if m.get("name") == name and m.get("state") == "READY" and m.get("version")
+        ),
+        key=int,
+    )
 
 
 def _canary(client: httpclient.InferenceServerClient, name: str, version: int, card: dict[str, Any]) -> float:
     x = np.asarray(card["canary"]["inputs"], dtype=np.float32)
     inp = httpclient.InferInput(INPUT_NAME, list(x.shape), "FP32")
     inp.set_data_from_numpy(x, binary_data=True)
-    result = client.infer(name, [inp], model_version=str(version), outputs=[httpclient.InferRequestedOutput(PROBABILITIES)])
+    result = client.infer(
+        name, [inp], model_version=str(version), outputs=[httpclient.InferRequestedOutput(PROBABILITIES)]
+    )
     got = result.as_numpy(PROBABILITIES)
     want = np.asarray(card["canary"]["outputs"][PROBABILITIES], dtype=np.float32)
     return float(np.abs(got - want).max())
@@ -70,7 +79,9 @@ def rollout(
     """Load `version` of `name` on each server in turn; raise RolloutError after rolling back a failure."""
     card_path = Path(repo) / name / str(version) / CARD
     if not card_path.is_file():
-        raise RolloutError(f"{name} version {version} is not published in {repo} (no {CARD}); export it first")
+        raise RolloutError(
+            f"{name} version {version} is not published in {repo} (no {CARD}); export it first"
+        )
     card = json.loads(card_path.read_text())
     tolerance = float(card["canary"]["tolerance"])
     done: list[ServerRollout] = []
@@ -87,12 +98,16 @@ def rollout(
             deadline = started + ready_timeout_s
             while not client.is_model_ready(name, str(version)):
                 if time.monotonic() > deadline:
-                    raise RolloutError(f"{server}: {name} version {version} not ready after {ready_timeout_s:.0f}s")
+                    raise RolloutError(
+                        f"{server}: {name} version {version} not ready after {ready_timeout_s:.0f}s"
+                    )
                 time.sleep(0.1)
             ready_s = time.monotonic() - started
             err = _canary(client, name, version, card)
             if err > tolerance:
-                raise RolloutError(f"{server}: canary for {name} version {version} differs from the exporter's reference by {err:.2e} (limit {tolerance:.0e})")
+                raise RolloutError(
+                    f"{server}: canary for {name} version {version} differs from the exporter's reference by {err:.2e} (limit {tolerance:.0e})"
+                )
         except (RolloutError, InferenceServerException) as exc:
             reason = exc.message() if isinstance(exc, InferenceServerException) else str(exc)
             try:
@@ -101,6 +116,8 @@ def rollout(
                 action = f"rollback failed too: {rb.message()}"
             prefix = "" if reason.startswith(server) else f"{server}: "
             raise RolloutError(f"{prefix}{reason}; {action}") from exc
-        logger.info("%s: %s version %d ready in %.1fs, canary max |Δp| %.1e", server, name, version, ready_s, err)
+        logger.info(
+            "%s: %s version %d ready in %.1fs, canary max |Δp| %.1e", server, name, version, ready_s, err
+        )
         done.append(ServerRollout(server, previous, ready_s, err))
     return done

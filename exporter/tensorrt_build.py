@@ -49,7 +49,9 @@ def resolve_mode(mode: str) -> bool:
     return False
 
 
-def build_plan(onnx_path: Path, plan_path: Path, n_features: int, max_batch: int, fp16: bool, timing_cache: Path) -> bytes:
+def build_plan(
+    onnx_path: Path, plan_path: Path, n_features: int, max_batch: int, fp16: bool, timing_cache: Path
+) -> bytes:
     import tensorrt as trt
 
     trt_logger = trt.Logger(trt.Logger.WARNING)
@@ -89,7 +91,12 @@ def tensorrt_runner(plan: bytes) -> Any:
     context = engine.create_execution_context()
     names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-    torch_dtype = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int64: torch.int64, trt.int32: torch.int32}
+    torch_dtype = {
+        trt.float32: torch.float32,
+        trt.float16: torch.float16,
+        trt.int64: torch.int64,
+        trt.int32: torch.int32,
+    }
 
     def run(x: np.ndarray) -> dict[str, np.ndarray]:
         inp = torch.from_numpy(x).cuda()

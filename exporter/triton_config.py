@@ -7,8 +7,8 @@ TensorRT plan) and `configs/local.pbtxt` for the local CPU server, selected with
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
 from google.protobuf import text_format
+from pydantic import BaseModel, Field
 from tritonclient.grpc import model_config_pb2 as mc
 
 from exporter.contract import ServingContract, TensorSpec
@@ -57,7 +57,9 @@ def _common(name: str, contract: ServingContract, opts: ConfigOptions) -> mc.Mod
     return cfg
 
 
-def gpu_config(name: str, contract: ServingContract, opts: ConfigOptions, tensorrt_plan: bool) -> mc.ModelConfig:
+def gpu_config(
+    name: str, contract: ServingContract, opts: ConfigOptions, tensorrt_plan: bool
+) -> mc.ModelConfig:
     cfg = _common(name, contract, opts)
     if tensorrt_plan:
         cfg.platform = "tensorrt_plan"

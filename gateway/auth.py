@@ -49,7 +49,9 @@ class Principal:
 class Authenticator:
     def __init__(self, cfg: AuthConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.enabled = bool(cfg.keys)
-        self._keys: list[tuple[bytes, Principal]] = [(bytes.fromhex(k.sha256), self._principal(k, clock)) for k in cfg.keys]
+        self._keys: list[tuple[bytes, Principal]] = [
+            (bytes.fromhex(k.sha256), self._principal(k, clock)) for k in cfg.keys
+        ]
 
     @staticmethod
     def _principal(k: ApiKeyConfig, clock: Callable[[], float]) -> Principal:
@@ -87,5 +89,7 @@ class Authenticator:
             wait = principal.bucket.take()
             if wait > 0:
                 retry_after = max(1, int(wait + 0.999))
-                raise RateLimited(f"rate limit for API key {principal.name!r} exceeded; retry in {wait:.2f}s",
-                                  headers={"retry-after": str(retry_after)})
+                raise RateLimited(
+                    f"rate limit for API key {principal.name!r} exceeded; retry in {wait:.2f}s",
+                    headers={"retry-after": str(retry_after)},
+                )

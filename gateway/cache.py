@@ -23,7 +23,9 @@ T = TypeVar("T")
 KEY_VERSION = b"v1"
 
 
-def cache_key(protocol: str, model: str, version: str, canonical_request: bytes, tensor_bytes: bytes = b"") -> str:
+def cache_key(
+    protocol: str, model: str, version: str, canonical_request: bytes, tensor_bytes: bytes = b""
+) -> str:
     h = hashlib.sha256()
     for part in (KEY_VERSION, protocol.encode(), model.encode(), version.encode()):
         h.update(len(part).to_bytes(4, "big"))
@@ -58,8 +60,13 @@ class ResponseCache(Protocol):
 class MemoryCache:
     """LRU bounded in bytes, entries expiring after a TTL."""
 
-    def __init__(self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic,
-                 on_evict: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[], None] | None = None,
+    ) -> None:
         self.on_evict = on_evict
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
@@ -113,8 +120,15 @@ class MemoryCache:
 class RedisCache:
     """Shared across gateway replicas; `<namespace>:<key>` -> 32-byte HMAC tag + payload, with a TTL."""
 
-    def __init__(self, url: str, namespace: str, secret: str, ttl_s: float, timeout_s: float = 0.25,
-                 on_tamper: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        secret: str,
+        ttl_s: float,
+        timeout_s: float = 0.25,
+        on_tamper: Callable[[], None] | None = None,
+    ) -> None:
         import redis.asyncio as redis
 
         self.on_tamper = on_tamper

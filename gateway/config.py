@@ -7,10 +7,10 @@ nested fields, e.g. `SKEWSERVE_GATEWAY_CACHE__TTL_S=5` or `SKEWSERVE_GATEWAY_HOM
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -40,7 +40,9 @@ class ServerConfig(_Strict):
 class RegionConfig(_Strict):
     name: str
     servers: list[ServerConfig] = Field(min_length=1)
-    rtt_ms: float | None = Field(default=None, ge=0, description="fixed RTT for spill-over order; measured when unset")
+    rtt_ms: float | None = Field(
+        default=None, ge=0, description="fixed RTT for spill-over order; measured when unset"
+    )
 
 
 class ListenConfig(_Strict):
@@ -55,21 +57,27 @@ class BalancingConfig(_Strict):
 
 
 class RoutingConfig(_Strict):
-    max_inflight_per_server: int = Field(default=64, ge=1, description="above this a region counts as saturated")
+    max_inflight_per_server: int = Field(
+        default=64, ge=1, description="above this a region counts as saturated"
+    )
     region_header: str = "x-skewserve-region"
 
 
 class HealthConfig(_Strict):
     interval_s: float = Field(default=1.0, gt=0)
     timeout_s: float = Field(default=1.0, gt=0)
-    eject_after_failures: int = Field(default=3, ge=1, description="consecutive failures before outlier ejection")
+    eject_after_failures: int = Field(
+        default=3, ge=1, description="consecutive failures before outlier ejection"
+    )
     base_ejection_s: float = Field(default=2.0, gt=0)
     max_ejection_s: float = Field(default=60.0, gt=0)
 
 
 class RetryConfig(_Strict):
     max_attempts: int = Field(default=3, ge=1)
-    budget_ratio: float = Field(default=0.2, ge=0, le=1, description="retries allowed as a fraction of recent requests")
+    budget_ratio: float = Field(
+        default=0.2, ge=0, le=1, description="retries allowed as a fraction of recent requests"
+    )
     min_retries_per_s: float = Field(default=10.0, ge=0)
     default_timeout_s: float = Field(default=30.0, gt=0)
     connect_timeout_s: float = Field(default=1.0, gt=0)
@@ -88,13 +96,17 @@ class CacheConfig(_Strict):
     ttl_s: float = Field(default=300.0, gt=0)
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "skewserve"
-    hmac_secret: str = Field(default="", description="integrity key for Redis entries; required with backend redis")
+    hmac_secret: str = Field(
+        default="", description="integrity key for Redis entries; required with backend redis"
+    )
     max_entry_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
 
     @model_validator(mode="after")
     def _redis_secret(self) -> CacheConfig:
         if self.backend == "redis" and len(self.hmac_secret) < 16:
-            raise ValueError("cache.hmac_secret must be set (16+ characters) when cache.backend is redis; entries are integrity-checked with it")
+            raise ValueError(
+                "cache.hmac_secret must be set (16+ characters) when cache.backend is redis; entries are integrity-checked with it"
+            )
         return self
 
 
@@ -110,7 +122,9 @@ class ApiKeyConfig(_Strict):
     def _hex(cls, v: str) -> str:
         v = v.lower()
         if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
-            raise ValueError("must be 64 hex characters (sha256 of the key): `skewserve gateway hash-key KEY`")
+            raise ValueError(
+                "must be 64 hex characters (sha256 of the key): `skewserve gateway hash-key KEY`"
+            )
         return v
 
 
@@ -120,8 +134,12 @@ class AuthConfig(_Strict):
 
 class LimitsConfig(_Strict):
     max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
-    max_batch_size: int = Field(default=0, ge=0, description="0 = no gateway limit (Triton still enforces its own)")
-    max_inflight: int = Field(default=1024, ge=1, description="global in-flight bound; above it requests are shed with 503")
+    max_batch_size: int = Field(
+        default=0, ge=0, description="0 = no gateway limit (Triton still enforces its own)"
+    )
+    max_inflight: int = Field(
+        default=1024, ge=1, description="global in-flight bound; above it requests are shed with 503"
+    )
 
 
 class DrainConfig(_Strict):
@@ -135,7 +153,8 @@ class GatewayConfig(BaseSettings):
     home_region: str
     regions: list[RegionConfig] = Field(min_length=1)
     upstream_protocol: Literal["grpc", "http"] = Field(
-        default="grpc", description="protocol for health probes and metadata; infer traffic keeps the client's protocol"
+        default="grpc",
+        description="protocol for health probes and metadata; infer traffic keeps the client's protocol",
     )
     listen: ListenConfig = Field(default_factory=ListenConfig)
     balancing: BalancingConfig = Field(default_factory=BalancingConfig)
@@ -151,8 +170,12 @@ class GatewayConfig(BaseSettings):
 
     @classmethod
     def settings_customise_sources(
-        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource, file_secret_settings: PydanticBaseSettingsSource,
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Environment over file: the file arrives as init kwargs, so env must come first.
         return (env_settings, init_settings)
@@ -181,7 +204,9 @@ def _read_file(path: Path) -> dict[str, Any]:
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"gateway config {path} is not valid {'TOML' if path.suffix == '.toml' else 'YAML'}: {exc}") from exc
+        raise ConfigError(
+            f"gateway config {path} is not valid {'TOML' if path.suffix == '.toml' else 'YAML'}: {exc}"
+        ) from exc
     if not isinstance(data, dict):
         raise ConfigError(f"gateway config {path} must hold a mapping at the top level")
     return data

@@ -20,7 +20,7 @@ from gateway.dispatch import Attempt, Dispatcher, Outcome
 from gateway.errors import NoReadyServer, Overloaded
 from gateway.health import HealthChecker, OutlierDetector
 from gateway.metrics import GatewayMetrics
-from gateway.router import RegionRouter, Region
+from gateway.router import Region, RegionRouter
 from gateway.upstream import UpstreamServer
 
 logger = logging.getLogger(__name__)
@@ -33,11 +33,21 @@ class Gateway:
         self.clock = clock
         self.metrics = GatewayMetrics()
         regions = [
-            Region(r.name, [UpstreamServer(s, r.name, cfg.balancing.ewma_decay_s, cfg.retries.connect_timeout_s, clock) for s in r.servers],
-                   None if r.rtt_ms is None else r.rtt_ms / 1000)
+            Region(
+                r.name,
+                [
+                    UpstreamServer(
+                        s, r.name, cfg.balancing.ewma_decay_s, cfg.retries.connect_timeout_s, clock
+                    )
+                    for s in r.servers
+                ],
+                None if r.rtt_ms is None else r.rtt_ms / 1000,
+            )
             for r in cfg.regions
         ]
-        self.router = RegionRouter(cfg, regions, {r.name: make_balancer(cfg.balancing.policy) for r in regions}, clock)
+        self.router = RegionRouter(
+            cfg, regions, {r.name: make_balancer(cfg.balancing.policy) for r in regions}, clock
+        )
         self.servers = self.router.servers()
         self.detector = OutlierDetector(cfg.health, on_eject=self.metrics.ejection)
         self.health = HealthChecker(self.servers, cfg.health, cfg.upstream_protocol, self.detector, clock)
@@ -45,10 +55,17 @@ class Gateway:
         self.auth = Authenticator(cfg.auth, clock)
         self.cache: ResponseCache | None = None
         if cfg.cache.backend == "memory":
-            self.cache = MemoryCache(cfg.cache.max_bytes, cfg.cache.ttl_s, clock, on_evict=self.metrics.cache_evictions.inc)
+            self.cache = MemoryCache(
+                cfg.cache.max_bytes, cfg.cache.ttl_s, clock, on_evict=self.metrics.cache_evictions.inc
+            )
         elif cfg.cache.backend == "redis":
-            self.cache = RedisCache(cfg.cache.redis_url, cfg.cache.namespace, cfg.cache.hmac_secret, cfg.cache.ttl_s,
-                                    on_tamper=self.metrics.cache_tampered.inc)
+            self.cache = RedisCache(
+                cfg.cache.redis_url,
+                cfg.cache.namespace,
+                cfg.cache.hmac_secret,
+                cfg.cache.ttl_s,
+                on_tamper=self.metrics.cache_tampered.inc,
+            )
         self._cache_all = "*" in cfg.cache.models
         self._cache_models = set(cfg.cache.models)
         self.coalescer = Coalescer()
@@ -78,7 +95,9 @@ class Gateway:
         if self.draining:
             return
         self.draining = True
-        logger.info("draining: reporting not-ready for %.1fs, then refusing new requests", self.cfg.drain.grace_s)
+        logger.info(
+            "draining: reporting not-ready for %.1fs, then refusing new requests", self.cfg.drain.grace_s
+        )
         await asyncio.sleep(self.cfg.drain.grace_s)
         self.refusing = True
         deadline = self.clock() + self.cfg.drain.timeout_s
@@ -96,7 +115,9 @@ class Gateway:
         # The fronts count a request in flight before admitting it, so it is over the limit only above it.
         if self.inflight > self.cfg.limits.max_inflight:
             self.metrics.shed.labels("inflight").inc()
-            raise Overloaded(f"gateway is at its in-flight limit ({self.cfg.limits.max_inflight}); retry later")
+            raise Overloaded(
+                f"gateway is at its in-flight limit ({self.cfg.limits.max_inflight}); retry later"
+            )
         principal = self.auth.authenticate(authorization, api_key)
         self.auth.admit(principal, model)
         return principal
@@ -109,11 +130,15 @@ class Gateway:
             except ValueError:
                 from gateway.errors import BadRequest
 
-                raise BadRequest(f"{self.cfg.retries.timeout_header} must be a number of milliseconds, got {timeout_ms!r}") from None
+                raise BadRequest(
+                    f"{self.cfg.retries.timeout_header} must be a number of milliseconds, got {timeout_ms!r}"
+                ) from None
         return self.clock() + timeout
 
     # -- sending ---------------------------------------------------------------------------------
-    async def send(self, model: str, version: str, pinned: str | None, deadline: float, attempt: Attempt[T]) -> Outcome[T]:
+    async def send(
+        self, model: str, version: str, pinned: str | None, deadline: float, attempt: Attempt[T]
+    ) -> Outcome[T]:
         """Route and send; an unknown model goes to any server so Triton answers in its own words."""
         try:
             return await self.dispatcher.send(model, version, pinned, deadline, attempt)
@@ -125,8 +150,13 @@ class Gateway:
     def cache_enabled(self, model: str) -> bool:
         return self.cache is not None and (self._cache_all or model in self._cache_models)
 
-    async def cached(self, key: str, model: str, fetch: Callable[[], Awaitable[tuple[T, bytes | None]]],
-                     decode: Callable[[bytes], T]) -> tuple[T, str]:
+    async def cached(
+        self,
+        key: str,
+        model: str,
+        fetch: Callable[[], Awaitable[tuple[T, bytes | None]]],
+        decode: Callable[[bytes], T],
+    ) -> tuple[T, str]:
         """Serve from cache or fetch once for all identical in-flight requests; errors are never stored.
 
         `fetch` returns (value, bytes to store or None when the value must not be cached).

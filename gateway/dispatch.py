@@ -27,7 +27,9 @@ Attempt = Callable[[UpstreamServer, float], Awaitable[T]]
 
 
 class RetryBudget:
-    def __init__(self, ratio: float, min_per_s: float, clock: Callable[[], float], cap: float = 100.0) -> None:
+    def __init__(
+        self, ratio: float, min_per_s: float, clock: Callable[[], float], cap: float = 100.0
+    ) -> None:
         self.ratio = ratio
         self.min_per_s = min_per_s
         self.clock = clock
@@ -60,8 +62,14 @@ class Outcome(Generic[T]):
 
 
 class Dispatcher:
-    def __init__(self, cfg: GatewayConfig, router: RegionRouter, detector: OutlierDetector, metrics: GatewayMetrics,
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        router: RegionRouter,
+        detector: OutlierDetector,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float],
+    ) -> None:
         self.cfg = cfg
         self.router = router
         self.detector = detector
@@ -94,8 +102,15 @@ class Dispatcher:
         finally:
             server.inflight -= 1
 
-    async def send(self, model: str, version: str, pinned: str | None, deadline: float, attempt: Attempt[T],
-                   route_any: bool = False) -> Outcome[T]:
+    async def send(
+        self,
+        model: str,
+        version: str,
+        pinned: str | None,
+        deadline: float,
+        attempt: Attempt[T],
+        route_any: bool = False,
+    ) -> Outcome[T]:
         """Run `attempt` on chosen servers until one answers, the budget or deadline runs out."""
         self.budget.deposit()
         tried: list[UpstreamServer] = []
@@ -103,10 +118,15 @@ class Dispatcher:
         for n in range(1, self.cfg.retries.max_attempts + 1):
             remaining = deadline - self.clock()
             if remaining <= 0:
-                raise UpstreamTimeout(f"deadline exceeded after {n - 1} attempt(s)" + (f": {last.message}" if last else ""))
+                raise UpstreamTimeout(
+                    f"deadline exceeded after {n - 1} attempt(s)" + (f": {last.message}" if last else "")
+                )
             try:
-                route = (Route(self.router.any_server(tried), "", False) if route_any
-                         else self.router.route(model, version, pinned, tried))
+                route = (
+                    Route(self.router.any_server(tried), "", False)
+                    if route_any
+                    else self.router.route(model, version, pinned, tried)
+                )
             except NoReadyServer:
                 if last is not None:
                     raise last from None
@@ -132,10 +152,21 @@ class Dispatcher:
         assert last is not None
         raise last
 
-    async def _hedged(self, first: Route, attempt: Attempt[T], remaining: float, model: str, version: str,
-                      pinned: str | None, tried: list[UpstreamServer]) -> T:
+    async def _hedged(
+        self,
+        first: Route,
+        attempt: Attempt[T],
+        remaining: float,
+        model: str,
+        version: str,
+        pinned: str | None,
+        tried: list[UpstreamServer],
+    ) -> T:
         """Send a second copy to another server if the first has not answered by its recent p95."""
-        delay = max(self.cfg.hedging.min_delay_ms / 1000, first.server.latency.p95() if first.server.latency.samples >= 8 else remaining)
+        delay = max(
+            self.cfg.hedging.min_delay_ms / 1000,
+            first.server.latency.p95() if first.server.latency.samples >= 8 else remaining,
+        )
         started = self.clock()
         primary = asyncio.ensure_future(self._timed(first, attempt, remaining, model))
         done, _ = await asyncio.wait({primary}, timeout=min(delay, remaining))
@@ -149,7 +180,9 @@ class Dispatcher:
             self.metrics.retry_budget_exhausted()
             return await primary
         self.metrics.hedge(model)
-        backup = asyncio.ensure_future(self._timed(second, attempt, remaining - (self.clock() - started), model))
+        backup = asyncio.ensure_future(
+            self._timed(second, attempt, remaining - (self.clock() - started), model)
+        )
         pending = {primary, backup}
         error: BaseException | None = None
         try:

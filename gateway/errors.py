@@ -92,8 +92,15 @@ class UpstreamTimeout(RetryableUpstream):
 class UpstreamRejected(UpstreamError):
     """Triton's own error answer; carries its status/code and body so the client sees Triton's words."""
 
-    def __init__(self, message: str, *, http_status: int = 400, grpc_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
-                 body: bytes | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        http_status: int = 400,
+        grpc_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message, headers=headers)
         self.http_status = http_status
         self.grpc_code = grpc_code

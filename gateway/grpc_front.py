@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-
 from typing import Any
 
 import grpc
@@ -46,21 +45,29 @@ class GrpcFront:
 
     def handlers(self) -> grpc.GenericRpcHandler:
         def raw(fn: Any) -> grpc.RpcMethodHandler:
-            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=None, response_serializer=None)
+            return grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=None, response_serializer=None
+            )
 
-        return grpc.method_handlers_generic_handler(SERVICE, {
-            "ServerLive": raw(self.server_live),
-            "ServerReady": raw(self.server_ready),
-            "ModelReady": raw(self.model_ready),
-            "ServerMetadata": raw(self.server_metadata),
-            "ModelMetadata": raw(self.model_metadata),
-            "ModelConfig": raw(self.model_config),
-            "ModelInfer": raw(self.model_infer),
-        })
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "ServerLive": raw(self.server_live),
+                "ServerReady": raw(self.server_ready),
+                "ModelReady": raw(self.model_ready),
+                "ServerMetadata": raw(self.server_metadata),
+                "ModelMetadata": raw(self.model_metadata),
+                "ModelConfig": raw(self.model_config),
+                "ModelInfer": raw(self.model_infer),
+            },
+        )
 
     async def start(self, host: str, port: int) -> int:
-        options = [("grpc.max_receive_message_length", self.gw.cfg.limits.max_request_bytes),
-                   ("grpc.max_send_message_length", 256 * 1024 * 1024), ("grpc.so_reuseport", 0)]
+        options = [
+            ("grpc.max_receive_message_length", self.gw.cfg.limits.max_request_bytes),
+            ("grpc.max_send_message_length", 256 * 1024 * 1024),
+            ("grpc.so_reuseport", 0),
+        ]
         self.server = grpc.aio.server(options=options)
         self.server.add_generic_rpc_handlers((self.handlers(),))
         bound = self.server.add_insecure_port(f"{host}:{port}")
@@ -89,13 +96,17 @@ class GrpcFront:
         if isinstance(exc, GatewayError):
             message = exc.message
             if exc.headers:
-                context.set_trailing_metadata(tuple((k, v) for k, v in exc.headers.items()) + (("x-request-id", request_id),))
+                context.set_trailing_metadata(
+                    tuple((k, v) for k, v in exc.headers.items()) + (("x-request-id", request_id),)
+                )
         else:
             logger.exception("unhandled error in gRPC front, request_id=%s", request_id)
             message = f"internal gateway error; see the gateway log for request id {request_id}"
         await context.abort(grpc_code_for(exc), message)
 
-    async def _proxy(self, method: str, request: bytes, context: grpc.aio.ServicerContext, model: str, version: str) -> bytes:
+    async def _proxy(
+        self, method: str, request: bytes, context: grpc.aio.ServicerContext, model: str, version: str
+    ) -> bytes:
         md = self._metadata(context)
         request_id = md.get("x-request-id") or os.urandom(8).hex()
         try:
@@ -113,7 +124,9 @@ class GrpcFront:
                 try:
                     outcome = await self.gw.send(model, version, md.get(self.region_key), deadline, attempt)
                 except NoReadyServer:
-                    outcome = await self.gw.dispatcher.send(model, version, None, deadline, attempt, route_any=True)
+                    outcome = await self.gw.dispatcher.send(
+                        model, version, None, deadline, attempt, route_any=True
+                    )
             return outcome.value
         except GatewayError as exc:
             await self._abort(context, exc, request_id)
@@ -158,7 +171,9 @@ class GrpcFront:
             if self.max_batch:
                 for inp in req.inputs:
                     if inp.shape and inp.shape[0] > self.max_batch:
-                        raise BadRequest(f"input {inp.name!r} has batch size {inp.shape[0]}, above the gateway limit of {self.max_batch}")
+                        raise BadRequest(
+                            f"input {inp.name!r} has batch size {inp.shape[0]}, above the gateway limit of {self.max_batch}"
+                        )
             deadline = self._deadline(context, md)
             metadata = (("x-request-id", request_id),)
 
@@ -167,7 +182,9 @@ class GrpcFront:
 
             trailing = [("x-request-id", request_id)]
             if gw.cache_enabled(model):
-                raw, route, state = await self._cached(req, model, version, md.get(self.region_key), deadline, attempt)
+                raw, route, state = await self._cached(
+                    req, model, version, md.get(self.region_key), deadline, attempt
+                )
                 trailing.append(("x-skewserve-cache", "hit" if state == "hit" else "miss"))
             else:
                 outcome = await gw.send(model, version, md.get(self.region_key), deadline, attempt)
@@ -190,8 +207,15 @@ class GrpcFront:
             gw.metrics.request(model, region, server_name, "grpc", status, gw.clock() - started)
         raise AssertionError("unreachable")
 
-    async def _cached(self, req: pb.ModelInferRequest, model: str, version: str, pinned: str | None, deadline: float,
-                      attempt: Any) -> tuple[bytes, Any, str]:
+    async def _cached(
+        self,
+        req: pb.ModelInferRequest,
+        model: str,
+        version: str,
+        pinned: str | None,
+        deadline: float,
+        attempt: Any,
+    ) -> tuple[bytes, Any, str]:
         gw = self.gw
         request_id = req.id
         resolved = version or gw.router.latest_version(model)
@@ -211,5 +235,3 @@ class GrpcFront:
         if state != "miss":
             raw = _restamp(raw, request_id)
         return raw, (route_box[0] if route_box else None), state
-
-

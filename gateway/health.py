@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 class OutlierDetector:
-    def __init__(self, cfg: HealthConfig, on_eject: Callable[[UpstreamServer, str], None] | None = None) -> None:
+    def __init__(
+        self, cfg: HealthConfig, on_eject: Callable[[UpstreamServer, str], None] | None = None
+    ) -> None:
         self.cfg = cfg
         self.on_eject = on_eject
 
@@ -50,8 +52,14 @@ class OutlierDetector:
 
 
 class HealthChecker:
-    def __init__(self, servers: list[UpstreamServer], cfg: HealthConfig, protocol: str, detector: OutlierDetector,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        servers: list[UpstreamServer],
+        cfg: HealthConfig,
+        protocol: str,
+        detector: OutlierDetector,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.servers = servers
         self.cfg = cfg
         self.protocol = protocol
@@ -69,7 +77,9 @@ class HealthChecker:
             server.healthy = False
             server.last_probe_error = getattr(exc, "message", None) or f"{exc.__class__.__name__}: {exc}"
             if was:
-                logger.warning("probe failed for %s/%s: %s", server.region, server.name, server.last_probe_error)
+                logger.warning(
+                    "probe failed for %s/%s: %s", server.region, server.name, server.last_probe_error
+                )
             return
         now = self.clock()
         server.probe_rtt.observe(now - started, now)
@@ -79,23 +89,39 @@ class HealthChecker:
         server.last_probe_error = "" if ready else "server reports not ready (starting or draining)"
         server.ready_models = models
         server.known_models = known
-        if ready and not server.ejected(now) and server.ejections and now - server.ejected_until > self.cfg.max_ejection_s:
+        if (
+            ready
+            and not server.ejected(now)
+            and server.ejections
+            and now - server.ejected_until > self.cfg.max_ejection_s
+        ):
             server.ejections = 0  # well-behaved for a full back-off period: start over
 
     async def _probe(self, server: UpstreamServer) -> tuple[bool, dict[str, set[str]], set[str]]:
         t = self.cfg.timeout_s
         if self.protocol == "grpc":
-            raw = await server.grpc_call("ServerReady", service_pb2.ServerReadyRequest().SerializeToString(), t)
+            raw = await server.grpc_call(
+                "ServerReady", service_pb2.ServerReadyRequest().SerializeToString(), t
+            )
             ready = service_pb2.ServerReadyResponse.FromString(raw).ready
-            raw = await server.grpc_call("RepositoryIndex", service_pb2.RepositoryIndexRequest().SerializeToString(), t)
-            index = [(m.name, m.version, m.state) for m in service_pb2.RepositoryIndexResponse.FromString(raw).models]
+            raw = await server.grpc_call(
+                "RepositoryIndex", service_pb2.RepositoryIndexRequest().SerializeToString(), t
+            )
+            index = [
+                (m.name, m.version, m.state)
+                for m in service_pb2.RepositoryIndexResponse.FromString(raw).models
+            ]
         else:
             resp = await server.http_request(b"GET", b"/v2/health/ready", b"", [], t)
             ready = resp.status == 200
-            resp = await server.http_request(b"POST", b"/v2/repository/index", b"{}", [(b"Content-Type", b"application/json")], t)
+            resp = await server.http_request(
+                b"POST", b"/v2/repository/index", b"{}", [(b"Content-Type", b"application/json")], t
+            )
             if resp.status != 200:
                 raise ValueError(f"repository index answered {resp.status}")
-            index = [(m.get("name", ""), m.get("version", ""), m.get("state", "")) for m in json.loads(resp.body)]
+            index = [
+                (m.get("name", ""), m.get("version", ""), m.get("state", "")) for m in json.loads(resp.body)
+            ]
         models: dict[str, set[str]] = {}
         known: set[str] = set()
         for name, version, state in index:

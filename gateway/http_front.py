@@ -20,13 +20,26 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.core import Gateway
-from gateway.errors import BadRequest, GatewayError, NotFound, RequestTooLarge, UpstreamRejected, http_status_for
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    NotFound,
+    RequestTooLarge,
+    UpstreamRejected,
+    http_status_for,
+)
 from gateway.upstream import UpstreamServer
 from gateway.upstream_http import HttpResponse
 
 logger = logging.getLogger(__name__)
 _JSON = b"application/json"
-_FORWARD = {b"content-type", b"inference-header-content-length", b"accept-encoding", b"content-encoding", b"x-request-id"}
+_FORWARD = {
+    b"content-type",
+    b"inference-header-content-length",
+    b"accept-encoding",
+    b"content-encoding",
+    b"x-request-id",
+}
 _RETURN = {b"content-type", b"inference-header-content-length", b"content-encoding"}
 
 
@@ -51,14 +64,18 @@ def split_request(body: bytes, header_length: int | None) -> tuple[dict[str, Any
         if header_length is None:
             return json.loads(body), b""
         if header_length > len(body):
-            raise BadRequest(f"Inference-Header-Content-Length {header_length} exceeds the body size {len(body)}")
+            raise BadRequest(
+                f"Inference-Header-Content-Length {header_length} exceeds the body size {len(body)}"
+            )
         return json.loads(body[:header_length]), body[header_length:]
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"failed to parse the request JSON: {exc}") from exc
 
 
 def _encode_entry(resp: HttpResponse) -> bytes:
-    meta = json.dumps({"h": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in resp.headers if k.lower() in _RETURN]}).encode()
+    meta = json.dumps(
+        {"h": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in resp.headers if k.lower() in _RETURN]}
+    ).encode()
     return struct.pack("!I", len(meta)) + meta + resp.body
 
 
@@ -86,7 +103,10 @@ def restamp_id(resp: HttpResponse, request_id: str) -> HttpResponse:
     new_header = json.dumps(header, separators=(",", ":")).encode()
     if n is None:
         return HttpResponse(resp.status, resp.headers, new_header)
-    headers = [(k, str(len(new_header)).encode() if k.lower() == b"inference-header-content-length" else v) for k, v in resp.headers]
+    headers = [
+        (k, str(len(new_header)).encode() if k.lower() == b"inference-header-content-length" else v)
+        for k, v in resp.headers
+    ]
     return HttpResponse(resp.status, headers, new_header + resp.body[n:])
 
 
@@ -143,7 +163,9 @@ class HttpFront:
         try:
             gw.admit(model, authorization, api_key)
             if content_length is not None and int(content_length) > self.max_bytes:
-                raise RequestTooLarge(f"request body of {int(content_length)} bytes exceeds the limit of {self.max_bytes}")
+                raise RequestTooLarge(
+                    f"request body of {int(content_length)} bytes exceeds the limit of {self.max_bytes}"
+                )
             body = await self._read_body(receive)
             hl = int(header_length) if header_length is not None else None
             parsed = None
@@ -161,13 +183,18 @@ class HttpFront:
                 # One stored entry must serve every client: ask Triton for the identity encoding
                 # (HTTP lets a server ignore Accept-Encoding), so entries are never gzip bytes.
                 forward = [(k, v) for k, v in forward if k != b"accept-encoding"]
-                resp, route, cache_state = await self._cached(model, version, pinned, deadline, body, hl, parsed, attempt)
+                resp, route, cache_state = await self._cached(
+                    model, version, pinned, deadline, body, hl, parsed, attempt
+                )
             else:
                 outcome = await gw.send(model, version, pinned, deadline, attempt)
                 resp, route = outcome.value, outcome.route
             if route is not None:
                 route_region, route_server = route.region, route.server.name
-                extra += [(b"x-skewserve-region", route_region.encode()), (b"x-skewserve-server", route_server.encode())]
+                extra += [
+                    (b"x-skewserve-region", route_region.encode()),
+                    (b"x-skewserve-server", route_server.encode()),
+                ]
             if cache_state is not None:
                 extra.append((b"x-skewserve-cache", b"hit" if cache_state == "hit" else b"miss"))
             status = resp.status
@@ -184,12 +211,23 @@ class HttpFront:
             gw.inflight -= 1
             gw.metrics.request(model, route_region, route_server, "http", str(status), gw.clock() - started)
 
-    async def _cached(self, model: str, version: str, pinned: str | None, deadline: float, body: bytes, hl: int | None,
-                      parsed: dict[str, Any] | None, attempt: Any) -> tuple[HttpResponse, Any, str]:
+    async def _cached(
+        self,
+        model: str,
+        version: str,
+        pinned: str | None,
+        deadline: float,
+        body: bytes,
+        hl: int | None,
+        parsed: dict[str, Any] | None,
+        attempt: Any,
+    ) -> tuple[HttpResponse, Any, str]:
         from gateway.cache import cache_key
 
         gw = self.gw
-        header, tail = (parsed, body[hl:] if hl is not None else b"") if parsed is not None else split_request(body, hl)
+        header, tail = (
+            (parsed, body[hl:] if hl is not None else b"") if parsed is not None else split_request(body, hl)
+        )
         request_id = str(header.pop("id", ""))
         resolved = version or gw.router.latest_version(model)
         canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
@@ -218,7 +256,9 @@ class HttpFront:
         for inp in header.get("inputs", []):
             shape = inp.get("shape") or [0]
             if isinstance(shape[0], int) and shape[0] > self.max_batch:
-                raise BadRequest(f"input {inp.get('name')!r} has batch size {shape[0]}, above the gateway limit of {self.max_batch}")
+                raise BadRequest(
+                    f"input {inp.get('name')!r} has batch size {shape[0]}, above the gateway limit of {self.max_batch}"
+                )
 
     async def _read_body(self, receive: Any) -> bytes:
         chunks = []
@@ -235,7 +275,9 @@ class HttpFront:
                 break
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def _error(self, send: Any, exc: BaseException, extra: list[tuple[bytes, bytes]], request_id: str) -> int:
+    async def _error(
+        self, send: Any, exc: BaseException, extra: list[tuple[bytes, bytes]], request_id: str
+    ) -> int:
         status = http_status_for(exc)
         if isinstance(exc, UpstreamRejected) and exc.body is not None:
             body = exc.body
@@ -276,7 +318,9 @@ def build_api(gw: Gateway) -> FastAPI:
         return Response(status_code=200 if gw.ready() else 400)
 
     async def proxy(request: Request, model: str = "", version: str = "") -> Response:
-        principal = gw.auth.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        principal = gw.auth.authenticate(
+            request.headers.get("authorization"), request.headers.get("x-api-key")
+        )
         if model:
             gw.auth.admit(principal, model)
         path = request.url.path.encode()
@@ -286,13 +330,22 @@ def build_api(gw: Gateway) -> FastAPI:
             return await server.http_request(b"GET", path, b"", [], timeout_s)
 
         if model:
-            outcome = await gw.send(model, version, request.headers.get(gw.cfg.routing.region_header), deadline, attempt)
+            outcome = await gw.send(
+                model, version, request.headers.get(gw.cfg.routing.region_header), deadline, attempt
+            )
         else:
             outcome = await gw.dispatcher.send("", "", None, deadline, attempt, route_any=True)
         resp = outcome.value
         media = resp.header(b"content-type")
-        return Response(resp.body, status_code=resp.status, media_type=media.decode() if media else None,
-                        headers={"x-skewserve-region": outcome.route.server.region, "x-skewserve-server": outcome.route.server.name})
+        return Response(
+            resp.body,
+            status_code=resp.status,
+            media_type=media.decode() if media else None,
+            headers={
+                "x-skewserve-region": outcome.route.server.region,
+                "x-skewserve-server": outcome.route.server.name,
+            },
+        )
 
     async def model_proxy(request: Request, model: str, version: str = "") -> Response:
         try:
@@ -308,7 +361,9 @@ def build_api(gw: Gateway) -> FastAPI:
                 return await server.http_request(b"GET", path, b"", [], timeout_s)
 
             outcome = await gw.dispatcher.send(model, version, None, deadline, attempt, route_any=True)
-            return Response(outcome.value.body, status_code=outcome.value.status, media_type="application/json")
+            return Response(
+                outcome.value.body, status_code=outcome.value.status, media_type="application/json"
+            )
 
     @api.get("/v2")
     async def server_metadata(request: Request) -> Response:
@@ -328,6 +383,8 @@ def build_api(gw: Gateway) -> FastAPI:
 
     @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def not_routed(path: str) -> Response:
-        raise NotFound(f"/{path} is not served by the gateway (Triton's repository, shared-memory, trace and logging APIs are not exposed)")
+        raise NotFound(
+            f"/{path} is not served by the gateway (Triton's repository, shared-memory, trace and logging APIs are not exposed)"
+        )
 
     return api

@@ -14,7 +14,23 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 class _FleetCollector(Collector):
@@ -23,19 +39,37 @@ class _FleetCollector(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         state = self._snapshot()
-        inflight = GaugeMetricFamily("skewserve_gateway_upstream_inflight", "Requests in flight per upstream server", labels=["region", "server"])
-        available = GaugeMetricFamily("skewserve_gateway_upstream_available", "1 when the server is healthy and not ejected", labels=["region", "server"])
-        ewma = GaugeMetricFamily("skewserve_gateway_upstream_ewma_latency_seconds", "EWMA upstream latency", labels=["region", "server"])
+        inflight = GaugeMetricFamily(
+            "skewserve_gateway_upstream_inflight",
+            "Requests in flight per upstream server",
+            labels=["region", "server"],
+        )
+        available = GaugeMetricFamily(
+            "skewserve_gateway_upstream_available",
+            "1 when the server is healthy and not ejected",
+            labels=["region", "server"],
+        )
+        ewma = GaugeMetricFamily(
+            "skewserve_gateway_upstream_ewma_latency_seconds",
+            "EWMA upstream latency",
+            labels=["region", "server"],
+        )
         for s in state["servers"]:
             inflight.add_metric([s["region"], s["name"]], s["inflight"])
             available.add_metric([s["region"], s["name"]], 1.0 if s["available"] else 0.0)
             ewma.add_metric([s["region"], s["name"]], s["ewma_latency_ms"] / 1000)
-        skew = GaugeMetricFamily("skewserve_gateway_region_skew_index", "max/mean in-flight across a region's servers", labels=["region"])
+        skew = GaugeMetricFamily(
+            "skewserve_gateway_region_skew_index",
+            "max/mean in-flight across a region's servers",
+            labels=["region"],
+        )
         for region, value in state["skew_index"].items():
             skew.add_metric([region], value)
         total = GaugeMetricFamily("skewserve_gateway_inflight", "Requests in flight through the gateway")
         total.add_metric([], state["inflight"])
-        cache_bytes = GaugeMetricFamily("skewserve_gateway_cache_bytes", "Bytes held by the in-process response cache")
+        cache_bytes = GaugeMetricFamily(
+            "skewserve_gateway_cache_bytes", "Bytes held by the in-process response cache"
+        )
         cache_bytes.add_metric([], state["cache_bytes"])
         yield from (inflight, available, ewma, skew, total, cache_bytes)
 
@@ -44,23 +78,67 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self._requests = Counter("skewserve_gateway_requests_total", "Requests by model, region, server, protocol and status",
-                                 ["model", "region", "server", "protocol", "status"], registry=r)
-        self._latency = Histogram("skewserve_gateway_request_seconds", "End-to-end gateway latency", ["model", "protocol"],
-                                  buckets=LATENCY_BUCKETS, registry=r)
-        self._upstream = Histogram("skewserve_gateway_upstream_seconds", "Upstream call latency", ["region", "server"],
-                                   buckets=LATENCY_BUCKETS, registry=r)
-        self._cache = Counter("skewserve_gateway_cache_requests_total", "Cache lookups", ["model", "result"], registry=r)
-        self._cache_bytes = Counter("skewserve_gateway_cache_stored_bytes_total", "Bytes written to the cache", ["model"], registry=r)
-        self.cache_evictions = Counter("skewserve_gateway_cache_evictions_total", "In-process cache evictions", registry=r)
-        self.cache_tampered = Counter("skewserve_gateway_cache_integrity_failures_total", "Redis entries failing the HMAC check", registry=r)
-        self.coalesced = Counter("skewserve_gateway_coalesced_requests_total", "Requests that shared another's upstream call", ["model"], registry=r)
-        self._retries = Counter("skewserve_gateway_retries_total", "Retries on another server", ["model"], registry=r)
-        self._hedges = Counter("skewserve_gateway_hedges_total", "Hedged second requests", ["model"], registry=r)
-        self.budget_exhausted = Counter("skewserve_gateway_retry_budget_exhausted_total", "Retries refused by the budget", registry=r)
-        self._ejections = Counter("skewserve_gateway_ejections_total", "Outlier ejections", ["region", "server"], registry=r)
-        self._spillovers = Counter("skewserve_gateway_spillovers_total", "Requests sent outside the home region", ["from_region", "to_region"], registry=r)
-        self.shed = Counter("skewserve_gateway_shed_total", "Requests refused by admission", ["reason"], registry=r)
+        self._requests = Counter(
+            "skewserve_gateway_requests_total",
+            "Requests by model, region, server, protocol and status",
+            ["model", "region", "server", "protocol", "status"],
+            registry=r,
+        )
+        self._latency = Histogram(
+            "skewserve_gateway_request_seconds",
+            "End-to-end gateway latency",
+            ["model", "protocol"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._upstream = Histogram(
+            "skewserve_gateway_upstream_seconds",
+            "Upstream call latency",
+            ["region", "server"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._cache = Counter(
+            "skewserve_gateway_cache_requests_total", "Cache lookups", ["model", "result"], registry=r
+        )
+        self._cache_bytes = Counter(
+            "skewserve_gateway_cache_stored_bytes_total", "Bytes written to the cache", ["model"], registry=r
+        )
+        self.cache_evictions = Counter(
+            "skewserve_gateway_cache_evictions_total", "In-process cache evictions", registry=r
+        )
+        self.cache_tampered = Counter(
+            "skewserve_gateway_cache_integrity_failures_total",
+            "Redis entries failing the HMAC check",
+            registry=r,
+        )
+        self.coalesced = Counter(
+            "skewserve_gateway_coalesced_requests_total",
+            "Requests that shared another's upstream call",
+            ["model"],
+            registry=r,
+        )
+        self._retries = Counter(
+            "skewserve_gateway_retries_total", "Retries on another server", ["model"], registry=r
+        )
+        self._hedges = Counter(
+            "skewserve_gateway_hedges_total", "Hedged second requests", ["model"], registry=r
+        )
+        self.budget_exhausted = Counter(
+            "skewserve_gateway_retry_budget_exhausted_total", "Retries refused by the budget", registry=r
+        )
+        self._ejections = Counter(
+            "skewserve_gateway_ejections_total", "Outlier ejections", ["region", "server"], registry=r
+        )
+        self._spillovers = Counter(
+            "skewserve_gateway_spillovers_total",
+            "Requests sent outside the home region",
+            ["from_region", "to_region"],
+            registry=r,
+        )
+        self.shed = Counter(
+            "skewserve_gateway_shed_total", "Requests refused by admission", ["reason"], registry=r
+        )
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
@@ -70,7 +148,9 @@ class GatewayMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def request(self, model: str, region: str, server: str, protocol: str, status: str, seconds: float) -> None:
+    def request(
+        self, model: str, region: str, server: str, protocol: str, status: str, seconds: float
+    ) -> None:
         self._child(self._requests, model, region, server, protocol, status).inc()
         self._child(self._latency, model, protocol).observe(seconds)
 

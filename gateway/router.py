@@ -44,7 +44,13 @@ class Route:
 
 
 class RegionRouter:
-    def __init__(self, cfg: GatewayConfig, regions: list[Region], balancers: dict[str, Balancer], clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        regions: list[Region],
+        balancers: dict[str, Balancer],
+        clock: Callable[[], float],
+    ) -> None:
         self.home = cfg.home_region
         self.max_inflight = cfg.routing.max_inflight_per_server
         self.regions = {r.name: r for r in regions}
@@ -59,28 +65,42 @@ class RegionRouter:
         others = sorted((r for r in self.regions.values() if r.name != self.home), key=lambda r: r.rtt_s())
         return [home, *others]
 
-    def route(self, model: str, version: str, pinned: str | None = None, exclude: Collection[UpstreamServer] = ()) -> Route:
+    def route(
+        self, model: str, version: str, pinned: str | None = None, exclude: Collection[UpstreamServer] = ()
+    ) -> Route:
         now = self.clock()
         if pinned is not None:
             region = self.regions.get(pinned)
             if region is None:
-                raise NoReadyServer(f"pinned region {pinned!r} does not exist; regions are {sorted(self.regions)}")
+                raise NoReadyServer(
+                    f"pinned region {pinned!r} does not exist; regions are {sorted(self.regions)}"
+                )
             order = [region]
         else:
             order = self.region_order()
         fallback: tuple[Region, list[UpstreamServer]] | None = None
         for region in order:
-            ready = [s for s in region.servers if s not in exclude and s.available(now) and s.has_model(model, version)]
+            ready = [
+                s
+                for s in region.servers
+                if s not in exclude and s.available(now) and s.has_model(model, version)
+            ]
             if not ready:
                 continue
             open_ = [s for s in ready if s.inflight < self.max_inflight]
             if open_:
-                return Route(self.balancers[region.name].pick(open_), region.name, region.name != self.home and pinned is None)
+                return Route(
+                    self.balancers[region.name].pick(open_),
+                    region.name,
+                    region.name != self.home and pinned is None,
+                )
             if fallback is None:
                 fallback = (region, ready)
         if fallback is not None:  # everyone saturated: queue at the nearest region with the model
             region, ready = fallback
-            return Route(min(ready, key=lambda s: s.inflight), region.name, region.name != self.home and pinned is None)
+            return Route(
+                min(ready, key=lambda s: s.inflight), region.name, region.name != self.home and pinned is None
+            )
         where = f"region {pinned!r}" if pinned else "any region"
         what = f"{model!r} version {version}" if version else repr(model)
         raise NoReadyServer(f"no server in {where} has model {what} ready")

@@ -35,8 +35,16 @@ async def serve(cfg: GatewayConfig, ready_file: Path | None = None) -> None:
     grpc_port = await grpc_front.start(cfg.listen.host, cfg.listen.grpc_port)
     http_app = HttpFront(gateway)
     uv_config = uvicorn.Config(
-        http_app, host=cfg.listen.host, port=cfg.listen.http_port, loop="none", http="httptools", lifespan="off",
-        access_log=False, log_config=None, timeout_keep_alive=75, timeout_graceful_shutdown=int(cfg.drain.timeout_s),
+        http_app,
+        host=cfg.listen.host,
+        port=cfg.listen.http_port,
+        loop="none",
+        http="httptools",
+        lifespan="off",
+        access_log=False,
+        log_config=None,
+        timeout_keep_alive=75,
+        timeout_graceful_shutdown=int(cfg.drain.timeout_s),
         backlog=2048,
     )
     server = _Uvicorn(uv_config)
@@ -68,10 +76,19 @@ async def serve(cfg: GatewayConfig, ready_file: Path | None = None) -> None:
     if server.should_exit or not server.started:
         await grpc_front.stop(0)
         await gateway.stop()
-        raise OSError(f"HTTP port {cfg.listen.host}:{cfg.listen.http_port} could not be bound; choose another listen.http_port")
+        raise OSError(
+            f"HTTP port {cfg.listen.host}:{cfg.listen.http_port} could not be bound; choose another listen.http_port"
+        )
     http_port = server.servers[0].sockets[0].getsockname()[1]
-    logger.info("gateway ready: http %s:%d grpc %s:%d (%s), home region %s",
-                cfg.listen.host, http_port, cfg.listen.host, grpc_port, loop_kind, cfg.home_region)
+    logger.info(
+        "gateway ready: http %s:%d grpc %s:%d (%s), home region %s",
+        cfg.listen.host,
+        http_port,
+        cfg.listen.host,
+        grpc_port,
+        loop_kind,
+        cfg.home_region,
+    )
     if ready_file is not None:
         ready_file.write_text(f'{{"http_port": {http_port}, "grpc_port": {grpc_port}}}\n')
     try:

@@ -27,7 +27,11 @@ class EjectionEvent:
     reason: str
 
     def as_dict(self, now: float) -> dict[str, Any]:
-        return {"seconds_ago": round(now - self.at, 3), "ejected_for_s": round(self.until - self.at, 3), "reason": self.reason}
+        return {
+            "seconds_ago": round(now - self.at, 3),
+            "ejected_for_s": round(self.until - self.at, 3),
+            "reason": self.reason,
+        }
 
 
 class LatencyStats:
@@ -59,7 +63,14 @@ class LatencyStats:
 
 
 class UpstreamServer:
-    def __init__(self, cfg: ServerConfig, region: str, decay_s: float, connect_timeout_s: float, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        region: str,
+        decay_s: float,
+        connect_timeout_s: float,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self.name = cfg.name
         self.region = region
         self.http_address = cfg.http
@@ -98,10 +109,14 @@ class UpstreamServer:
         return base * (self.inflight + 1)
 
     # -- calls --------------------------------------------------------------------------------
-    async def http_request(self, method: bytes, path: bytes, body: bytes, headers: list[tuple[bytes, bytes]], timeout_s: float) -> HttpResponse:
+    async def http_request(
+        self, method: bytes, path: bytes, body: bytes, headers: list[tuple[bytes, bytes]], timeout_s: float
+    ) -> HttpResponse:
         return await self.http.request(method, path, body, headers, timeout_s)
 
-    async def grpc_call(self, method: str, request: bytes, timeout_s: float, metadata: Sequence[tuple[str, str]] = ()) -> bytes:
+    async def grpc_call(
+        self, method: str, request: bytes, timeout_s: float, metadata: Sequence[tuple[str, str]] = ()
+    ) -> bytes:
         return await self.grpc.call(method, request, timeout_s, metadata)
 
     async def close(self) -> None:
@@ -110,13 +125,26 @@ class UpstreamServer:
 
     def describe(self, now: float) -> dict[str, Any]:
         return {
-            "name": self.name, "region": self.region, "http": self.http_address, "grpc": self.grpc_address,
-            "healthy": self.healthy, "ejected": self.ejected(now),
-            "ejected_for_s": round(max(0.0, self.ejected_until - now), 3), "available": self.available(now),
-            "inflight": self.inflight, "ewma_latency_ms": round(self.latency.mean * 1000, 3),
-            "p95_latency_ms": round(self.latency.p95() * 1000, 3), "probe_rtt_ms": round(self.probe_rtt.mean * 1000, 3),
-            "consecutive_failures": self.consecutive_failures, "ejections": self.ejections,
+            "name": self.name,
+            "region": self.region,
+            "http": self.http_address,
+            "grpc": self.grpc_address,
+            "healthy": self.healthy,
+            "ejected": self.ejected(now),
+            "ejected_for_s": round(max(0.0, self.ejected_until - now), 3),
+            "available": self.available(now),
+            "inflight": self.inflight,
+            "ewma_latency_ms": round(self.latency.mean * 1000, 3),
+            "p95_latency_ms": round(self.latency.p95() * 1000, 3),
+            "probe_rtt_ms": round(self.probe_rtt.mean * 1000, 3),
+            "consecutive_failures": self.consecutive_failures,
+            "ejections": self.ejections,
             "ejection_history": [e.as_dict(now) for e in self.history],
-            "models": {m: sorted(v, key=lambda x: int(x) if x.isdigit() else 0) for m, v in sorted(self.ready_models.items())},
-            "last_probe_error": self.last_probe_error, "requests": self.requests, "failures": self.failures,
+            "models": {
+                m: sorted(v, key=lambda x: int(x) if x.isdigit() else 0)
+                for m, v in sorted(self.ready_models.items())
+            },
+            "last_probe_error": self.last_probe_error,
+            "requests": self.requests,
+            "failures": self.failures,
         }

@@ -57,7 +57,9 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(UpstreamUnavailable(f"{self.pool.address}: connection closed before a response"))
+            self.waiter.set_exception(
+                UpstreamUnavailable(f"{self.pool.address}: connection closed before a response")
+            )
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -99,14 +101,22 @@ class HttpPool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self), self.host, self.port), self.connect_timeout_s
+                loop.create_connection(lambda: _Connection(self), self.host, self.port),
+                self.connect_timeout_s,
             )
         except (OSError, asyncio.TimeoutError) as exc:
-            raise UpstreamUnavailable(f"{self.address}: cannot connect ({exc.__class__.__name__}: {exc})") from exc
+            raise UpstreamUnavailable(
+                f"{self.address}: cannot connect ({exc.__class__.__name__}: {exc})"
+            ) from exc
         return conn
 
     async def request(
-        self, method: bytes, path: bytes, body: bytes = b"", headers: list[tuple[bytes, bytes]] | None = None, timeout_s: float = 30.0,
+        self,
+        method: bytes,
+        path: bytes,
+        body: bytes = b"",
+        headers: list[tuple[bytes, bytes]] | None = None,
+        timeout_s: float = 30.0,
     ) -> HttpResponse:
         """Send one request; UpstreamUnavailable/UpstreamTimeout mean Triton produced no response."""
         conn = None
@@ -118,7 +128,16 @@ class HttpPool:
         reused = conn is not None
         if conn is None:
             conn = await self._connect()
-        head = [method, b" ", path, b" HTTP/1.1\r\n", self._host_header, b"Content-Length: ", str(len(body)).encode(), b"\r\n"]
+        head = [
+            method,
+            b" ",
+            path,
+            b" HTTP/1.1\r\n",
+            self._host_header,
+            b"Content-Length: ",
+            str(len(body)).encode(),
+            b"\r\n",
+        ]
         for k, v in headers or ():
             head += [k, b": ", v, b"\r\n"]
         head.append(b"\r\n")

@@ -39,9 +39,26 @@ class HttpJsonUser(FastHttpUser, _Mixed):
     @task
     def infer(self) -> None:
         model, _, row, region = self._mix().draw()
-        body = json.dumps({"inputs": [{"name": "features", "shape": list(row.shape), "datatype": "FP32", "data": row.ravel().tolist()}]})
+        body = json.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": "features",
+                        "shape": list(row.shape),
+                        "datatype": "FP32",
+                        "data": row.ravel().tolist(),
+                    }
+                ]
+            }
+        )
         headers = {"Content-Type": "application/json"} | ({REGION_HEADER: region} if region else {})
-        with self.client.post(f"/v2/models/{model}/infer", data=body, headers=headers, name=f"http-json {model}", catch_response=True) as r:
+        with self.client.post(
+            f"/v2/models/{model}/infer",
+            data=body,
+            headers=headers,
+            name=f"http-json {model}",
+            catch_response=True,
+        ) as r:
             if r.status_code != 200:
                 r.failure(f"HTTP {r.status_code}: {r.text[:200]}")
 
@@ -54,15 +71,35 @@ class HttpBinaryUser(FastHttpUser, _Mixed):
     @task
     def infer(self) -> None:
         model, _, row, region = self._mix().draw()
-        header = json.dumps({
-            "inputs": [{"name": "features", "shape": list(row.shape), "datatype": "FP32", "parameters": {"binary_data_size": row.nbytes}}],
-            "outputs": [{"name": "probabilities", "parameters": {"binary_data": True}}, {"name": "label", "parameters": {"binary_data": True}}],
-        }).encode()
-        headers = {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"}
+        header = json.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": "features",
+                        "shape": list(row.shape),
+                        "datatype": "FP32",
+                        "parameters": {"binary_data_size": row.nbytes},
+                    }
+                ],
+                "outputs": [
+                    {"name": "probabilities", "parameters": {"binary_data": True}},
+                    {"name": "label", "parameters": {"binary_data": True}},
+                ],
+            }
+        ).encode()
+        headers = {
+            "Inference-Header-Content-Length": str(len(header)),
+            "Content-Type": "application/octet-stream",
+        }
         if region:
             headers[REGION_HEADER] = region
-        with self.client.post(f"/v2/models/{model}/infer", data=header + row.tobytes(), headers=headers,
-                              name=f"http-binary {model}", catch_response=True) as r:
+        with self.client.post(
+            f"/v2/models/{model}/infer",
+            data=header + row.tobytes(),
+            headers=headers,
+            name=f"http-binary {model}",
+            catch_response=True,
+        ) as r:
             if r.status_code != 200:
                 r.failure(f"HTTP {r.status_code}: {r.text[:200]}")
 
@@ -92,8 +129,12 @@ class GrpcUser(User, _Mixed):
         except Exception as e:  # reported to locust as a failure, never swallowed
             exc = e
         self.environment.events.request.fire(
-            request_type="grpc", name=f"grpc {model}", response_time=(time.perf_counter() - started) * 1000,
-            response_length=length, exception=exc, context={},
+            request_type="grpc",
+            name=f"grpc {model}",
+            response_time=(time.perf_counter() - started) * 1000,
+            response_length=length,
+            exception=exc,
+            context={},
         )
 
 

@@ -27,9 +27,13 @@ class MixSettings:
 
     def to_env(self) -> dict[str, str]:
         return {
-            f"{self.ENV}MODEL": self.model, f"{self.ENV}FEATURES": str(self.n_features), f"{self.ENV}KEYS": str(self.keys),
-            f"{self.ENV}ZIPF_S": str(self.zipf_s), f"{self.ENV}COLD_MODEL": self.cold_model,
-            f"{self.ENV}COLD_FRACTION": str(self.cold_fraction), f"{self.ENV}REGIONS": ",".join(self.regions),
+            f"{self.ENV}MODEL": self.model,
+            f"{self.ENV}FEATURES": str(self.n_features),
+            f"{self.ENV}KEYS": str(self.keys),
+            f"{self.ENV}ZIPF_S": str(self.zipf_s),
+            f"{self.ENV}COLD_MODEL": self.cold_model,
+            f"{self.ENV}COLD_FRACTION": str(self.cold_fraction),
+            f"{self.ENV}REGIONS": ",".join(self.regions),
             f"{self.ENV}SEED": str(self.seed),
         }
 
@@ -38,12 +42,18 @@ class MixSettings:
         e = os.environ if env is None else env
         p = cls.ENV
         if f"{p}MODEL" not in e or f"{p}FEATURES" not in e:
-            raise RuntimeError(f"{p}MODEL and {p}FEATURES must be set; run load tests through `skewserve loadtest`")
+            raise RuntimeError(
+                f"{p}MODEL and {p}FEATURES must be set; run load tests through `skewserve loadtest`"
+            )
         return cls(
-            model=e[f"{p}MODEL"], n_features=int(e[f"{p}FEATURES"]), keys=int(e.get(f"{p}KEYS", "1000")),
-            zipf_s=float(e.get(f"{p}ZIPF_S", "1.1")), cold_model=e.get(f"{p}COLD_MODEL", ""),
+            model=e[f"{p}MODEL"],
+            n_features=int(e[f"{p}FEATURES"]),
+            keys=int(e.get(f"{p}KEYS", "1000")),
+            zipf_s=float(e.get(f"{p}ZIPF_S", "1.1")),
+            cold_model=e.get(f"{p}COLD_MODEL", ""),
             cold_fraction=float(e.get(f"{p}COLD_FRACTION", "0")),
-            regions=tuple(r for r in e.get(f"{p}REGIONS", "").split(",") if r), seed=int(e.get(f"{p}SEED", "0")),
+            regions=tuple(r for r in e.get(f"{p}REGIONS", "").split(",") if r),
+            seed=int(e.get(f"{p}SEED", "0")),
         )
 
 

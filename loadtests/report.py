@@ -59,8 +59,16 @@ def read_stats(prefix: Path) -> list[RowStats]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     return [
-        RowStats(r["Type"], r["Name"], int(r["Request Count"]), int(r["Failure Count"]), _f(r["Requests/s"]),
-                 _f(r["50%"]), _f(r["95%"]), _f(r["99%"]))
+        RowStats(
+            r["Type"],
+            r["Name"],
+            int(r["Request Count"]),
+            int(r["Failure Count"]),
+            _f(r["Requests/s"]),
+            _f(r["50%"]),
+            _f(r["95%"]),
+            _f(r["99%"]),
+        )
         for r in rows
     ]
 

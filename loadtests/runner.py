@@ -85,16 +85,39 @@ def run_loadtest(spec: LoadTestSpec) -> LoadTestResult:
     out = Path(spec.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prefix = out / "locust"
-    env = {**os.environ, **spec.mix.to_env(), "SKEWSERVE_LT_SHAPE": spec.shape, "SKEWSERVE_LT_USERS": str(spec.users),
-           "SKEWSERVE_LT_SPAWN_RATE": str(spec.spawn_rate), "SKEWSERVE_LT_DURATION_S": str(spec.duration_s)}
+    env = {
+        **os.environ,
+        **spec.mix.to_env(),
+        "SKEWSERVE_LT_SHAPE": spec.shape,
+        "SKEWSERVE_LT_USERS": str(spec.users),
+        "SKEWSERVE_LT_SPAWN_RATE": str(spec.spawn_rate),
+        "SKEWSERVE_LT_DURATION_S": str(spec.duration_s),
+    }
     # The project root on PYTHONPATH so the locustfile can import loadtests.* wherever it is run from.
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     cmd = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), USER_CLASSES[spec.protocol], "--headless",
-        "--host", host_for(spec), "--csv", str(prefix), "--csv-full-history", "--html", str(out / "report.html"),
-        "--only-summary", "--loglevel", "WARNING", "--stop-timeout", "5",
-        "--exit-code-on-error", "0",
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        USER_CLASSES[spec.protocol],
+        "--headless",
+        "--host",
+        host_for(spec),
+        "--csv",
+        str(prefix),
+        "--csv-full-history",
+        "--html",
+        str(out / "report.html"),
+        "--only-summary",
+        "--loglevel",
+        "WARNING",
+        "--stop-timeout",
+        "5",
+        "--exit-code-on-error",
+        "0",
     ]
     before = scrape(spec.metrics_url) if spec.metrics_url else None
     log = out / "locust.log"
@@ -112,9 +135,15 @@ def run_loadtest(spec: LoadTestSpec) -> LoadTestResult:
         hit_rate = hits / (hits + misses) if hits + misses else None
         spill = after["spill"] - before["spill"]
     breaches = check_slo(total, spec.slo) if spec.slo else []
-    files = {"stats": Path(f"{prefix}_stats.csv"), "history": Path(f"{prefix}_stats_history.csv"),
-             "html": out / "report.html", "png": out / "latency.png"}
-    return LoadTestResult([r for r in rows if r.name != "Aggregated"], total, hit_rate, spill, breaches, files)
+    files = {
+        "stats": Path(f"{prefix}_stats.csv"),
+        "history": Path(f"{prefix}_stats_history.csv"),
+        "html": out / "report.html",
+        "png": out / "latency.png",
+    }
+    return LoadTestResult(
+        [r for r in rows if r.name != "Aggregated"], total, hit_rate, spill, breaches, files
+    )
 
 
 def model_feature_count(target: str, protocol: str, model: str) -> int:
@@ -122,10 +151,14 @@ def model_feature_count(target: str, protocol: str, model: str) -> int:
     if protocol == "grpc":
         import tritonclient.grpc as grpcclient
 
-        meta = grpcclient.InferenceServerClient(target.removeprefix("grpc://")).get_model_metadata(model, as_json=True)
+        meta = grpcclient.InferenceServerClient(target.removeprefix("grpc://")).get_model_metadata(
+            model, as_json=True
+        )
     else:
         import tritonclient.http as httpclient
 
-        meta = httpclient.InferenceServerClient(target.removeprefix("http://").removeprefix("https://")).get_model_metadata(model)
+        meta = httpclient.InferenceServerClient(
+            target.removeprefix("http://").removeprefix("https://")
+        ).get_model_metadata(model)
     shape = [int(d) for d in meta["inputs"][0]["shape"]]
     return shape[-1]

@@ -26,9 +26,13 @@ app = typer.Typer(
 )
 triton_app = typer.Typer(help="Run real tritonserver processes locally (CPU profile).", no_args_is_help=True)
 app.add_typer(triton_app, name="triton")
-gateway_app = typer.Typer(help="The multi-region KServe v2 gateway (HTTP + gRPC).", invoke_without_command=True)
+gateway_app = typer.Typer(
+    help="The multi-region KServe v2 gateway (HTTP + gRPC).", invoke_without_command=True
+)
 app.add_typer(gateway_app, name="gateway")
-data_app = typer.Typer(help="Data sets: generate long-tailed data, inspect class balance.", no_args_is_help=True)
+data_app = typer.Typer(
+    help="Data sets: generate long-tailed data, inspect class balance.", no_args_is_help=True
+)
 app.add_typer(data_app, name="data")
 # Wide enough when piped (tests, logs) that endpoint URLs are never cut.
 console = Console(width=None if Console().is_terminal else 200)
@@ -55,9 +59,13 @@ def wait_for_interrupt() -> None:
 @triton_app.command("up")
 def triton_up(
     repo: Path = typer.Option(Path("model_repository"), "--repo", help="Triton model repository."),
-    regions: str = typer.Option("local", "--regions", help="Comma-separated region names, e.g. us-east,eu-west."),
+    regions: str = typer.Option(
+        "local", "--regions", help="Comma-separated region names, e.g. us-east,eu-west."
+    ),
     per_region: int = typer.Option(1, "--per-region", min=1, help="Servers per region."),
-    config_name: str = typer.Option("local", "--model-config-name", help="Config profile: configs/<name>.pbtxt ('' for config.pbtxt)."),
+    config_name: str = typer.Option(
+        "local", "--model-config-name", help="Config profile: configs/<name>.pbtxt ('' for config.pbtxt)."
+    ),
     control_mode: str = typer.Option("none", "--model-control-mode", help="none | poll | explicit."),
     log_dir: Path = typer.Option(Path("runs/triton-logs"), "--log-dir"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
@@ -69,11 +77,17 @@ def triton_up(
     _setup_logging(verbose)
     region_list = [r.strip() for r in regions.split(",") if r.strip()]
     if not region_list:
-        raise typer.BadParameter("give at least one region name, e.g. --regions us-east,eu-west", param_hint="--regions")
+        raise typer.BadParameter(
+            "give at least one region name, e.g. --regions us-east,eu-west", param_hint="--regions"
+        )
     try:
         fleet = TritonFleet.for_regions(
-            repo, region_list, per_region, log_dir,
-            model_config_name=config_name or None, model_control_mode=control_mode,
+            repo,
+            region_list,
+            per_region,
+            log_dir,
+            model_config_name=config_name or None,
+            model_control_mode=control_mode,
         )
         with console.status(f"starting {len(fleet.servers)} tritonserver process(es)"):
             fleet.start()
@@ -104,7 +118,9 @@ def data_synth(
     features: int = typer.Option(16, "--features", min=1),
     informative: int = typer.Option(8, "--informative", min=1),
     label_noise: float = typer.Option(0.0, "--label-noise"),
-    covariate_shift: float = typer.Option(0.0, "--covariate-shift", help="Test-split feature shift, in std units."),
+    covariate_shift: float = typer.Option(
+        0.0, "--covariate-shift", help="Test-split feature shift, in std units."
+    ),
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     """Write a reproducible long-tailed data set (balanced val/test, as in the long-tail protocol)."""
@@ -113,8 +129,16 @@ def data_synth(
     from training.synth import SynthSpec, write
 
     try:
-        spec = SynthSpec(n_classes=classes, imbalance_ratio=imbalance_ratio, n_max=n_max, n_features=features,
-                         n_informative=informative, label_noise=label_noise, covariate_shift=covariate_shift, seed=seed)
+        spec = SynthSpec(
+            n_classes=classes,
+            imbalance_ratio=imbalance_ratio,
+            n_max=n_max,
+            n_features=features,
+            n_informative=informative,
+            label_noise=label_noise,
+            covariate_shift=covariate_shift,
+            seed=seed,
+        )
     except ValidationError as exc:
         console.print(f"[red]error:[/red] {exc.errors()[0]['msg']}")
         raise typer.Exit(2) from exc
@@ -129,19 +153,35 @@ def train_command(
     data: Path = typer.Option(..., "--data", help="Directory with train/val[/test] .parquet or .csv."),
     out: Path = typer.Option(Path("runs/artifact"), "--out", help="Artifact directory (checkpoints inside)."),
     label: str = typer.Option("label", "--label"),
-    nproc: int = typer.Option(1, "--nproc", min=1, help="Ranks; >1 launches torchrun (gloo on CPU, NCCL on CUDA)."),
-    loss: str = typer.Option("logit_adjusted", "--loss", help="ce | weighted_ce | effective_ce | focal | logit_adjusted | balanced_softmax"),
-    sampler_q: float = typer.Option(1.0, "--sampler-q", help="Class draw probability ∝ n_c^q (1 natural, 0 class-uniform)."),
+    nproc: int = typer.Option(
+        1, "--nproc", min=1, help="Ranks; >1 launches torchrun (gloo on CPU, NCCL on CUDA)."
+    ),
+    loss: str = typer.Option(
+        "logit_adjusted",
+        "--loss",
+        help="ce | weighted_ce | effective_ce | focal | logit_adjusted | balanced_softmax",
+    ),
+    sampler_q: float = typer.Option(
+        1.0, "--sampler-q", help="Class draw probability ∝ n_c^q (1 natural, 0 class-uniform)."
+    ),
     epochs: int = typer.Option(30, "--epochs", min=1),
     batch_size: int = typer.Option(256, "--batch-size", help="Global batch size across ranks."),
     lr: float = typer.Option(3e-3, "--lr"),
     width: int = typer.Option(128, "--width"),
     depth: int = typer.Option(2, "--depth"),
     dropout: float = typer.Option(0.1, "--dropout"),
-    precision: str = typer.Option("fp32", "--precision", help="fp32 | bf16 (CPU or GPU) | fp16 (CUDA, with a gradient scaler)"),
-    patience: int = typer.Option(8, "--patience", help="Early-stopping patience on val balanced accuracy; 0 disables."),
-    speed_balance: bool = typer.Option(True, "--speed-balance/--no-speed-balance", help="Re-split each global batch by rank throughput."),
-    slow_rank: int | None = typer.Option(None, "--slow-rank", help="Slow this rank down (reproduces a mixed fleet)."),
+    precision: str = typer.Option(
+        "fp32", "--precision", help="fp32 | bf16 (CPU or GPU) | fp16 (CUDA, with a gradient scaler)"
+    ),
+    patience: int = typer.Option(
+        8, "--patience", help="Early-stopping patience on val balanced accuracy; 0 disables."
+    ),
+    speed_balance: bool = typer.Option(
+        True, "--speed-balance/--no-speed-balance", help="Re-split each global batch by rank throughput."
+    ),
+    slow_rank: int | None = typer.Option(
+        None, "--slow-rank", help="Slow this rank down (reproduces a mixed fleet)."
+    ),
     slow_factor: float = typer.Option(1.0, "--slow-factor", help="How many times slower --slow-rank runs."),
     seed: int = typer.Option(0, "--seed"),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoints/last.pt."),
@@ -156,10 +196,25 @@ def train_command(
     _setup_logging(False)
     try:
         cfg = TrainConfig(
-            data_dir=data, out_dir=out, label_column=label, nproc=nproc, loss=loss, sampler_q=sampler_q,  # type: ignore[arg-type]
-            epochs=epochs, global_batch_size=batch_size, lr=lr, width=width, depth=depth, dropout=dropout,
-            precision=precision, patience=patience or None, speed_balance=speed_balance,  # type: ignore[arg-type]
-            slow_rank=slow_rank, slow_factor=slow_factor, seed=seed, resume=resume,
+            data_dir=data,
+            out_dir=out,
+            label_column=label,
+            nproc=nproc,
+            loss=loss,
+            sampler_q=sampler_q,  # type: ignore[arg-type]
+            epochs=epochs,
+            global_batch_size=batch_size,
+            lr=lr,
+            width=width,
+            depth=depth,
+            dropout=dropout,
+            precision=precision,
+            patience=patience or None,
+            speed_balance=speed_balance,  # type: ignore[arg-type]
+            slow_rank=slow_rank,
+            slow_factor=slow_factor,
+            seed=seed,
+            resume=resume,
         )
     except ValidationError as exc:
         err = exc.errors()[0]
@@ -193,11 +248,17 @@ def export_command(
     artifact: Path = typer.Option(..., "--artifact", help="Artifact directory written by `skewserve train`."),
     repo: Path = typer.Option(Path("model_repository"), "--repo", help="Triton model repository."),
     name: str = typer.Option(..., "--name", help="Model name (folder and URL part)."),
-    version: int | None = typer.Option(None, "--version", help="Version to publish; default max+1. Never overwrites."),
+    version: int | None = typer.Option(
+        None, "--version", help="Version to publish; default max+1. Never overwrites."
+    ),
     precision: str = typer.Option("fp32", "--precision", help="fp32 | fp16 (FP32 at the boundary)."),
     tensorrt: str = typer.Option("auto", "--tensorrt", help="auto | on | off: TensorRT plan on a CUDA GPU."),
-    max_batch: int = typer.Option(64, "--max-batch", min=1, help="Triton max_batch_size and parity batch range."),
-    response_cache: bool = typer.Option(False, "--response-cache", help="Enable Triton's response cache in the configs."),
+    max_batch: int = typer.Option(
+        64, "--max-batch", min=1, help="Triton max_batch_size and parity batch range."
+    ),
+    response_cache: bool = typer.Option(
+        False, "--response-cache", help="Enable Triton's response cache in the configs."
+    ),
 ) -> None:
     """Compile an artifact to ONNX (+ TensorRT on GPU), check parity, publish a new immutable version."""
     from exporter.errors import ExportError
@@ -208,8 +269,15 @@ def export_command(
     logging.getLogger("onnx_ir").setLevel(logging.WARNING)
     try:
         with console.status(f"exporting {artifact} as {name}"):
-            result = export_artifact(artifact, repo, name, version=version, precision=precision, tensorrt=tensorrt,
-                                     options=ConfigOptions(max_batch_size=max_batch, response_cache=response_cache))
+            result = export_artifact(
+                artifact,
+                repo,
+                name,
+                version=version,
+                precision=precision,
+                tensorrt=tensorrt,
+                options=ConfigOptions(max_batch_size=max_batch, response_cache=response_cache),
+            )
     except (ExportError, FileNotFoundError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from exc
@@ -217,15 +285,21 @@ def export_command(
         console.print(f"[yellow]notice:[/yellow] {notice}")
     for report in result.parity:
         console.print(f"parity {report.summary()}")
-    console.print(f"published {result.published.name} version {result.published.version} at {result.published.path}")
+    console.print(
+        f"published {result.published.name} version {result.published.version} at {result.published.path}"
+    )
 
 
 @app.command("rollout")
 def rollout_command(
     name: str = typer.Argument(..., help="Model name."),
     version: int = typer.Option(..., "--version", help="Published version to roll out."),
-    servers: str | None = typer.Option(None, "--servers", help="Comma-separated Triton HTTP URLs (explicit model-control mode)."),
-    regions: str | None = typer.Option(None, "--regions", help="Regions from the gateway config (--config), instead of --servers."),
+    servers: str | None = typer.Option(
+        None, "--servers", help="Comma-separated Triton HTTP URLs (explicit model-control mode)."
+    ),
+    regions: str | None = typer.Option(
+        None, "--regions", help="Regions from the gateway config (--config), instead of --servers."
+    ),
     config: Path | None = typer.Option(None, "--config", help="Gateway config file, with --regions."),
     repo: Path = typer.Option(Path("model_repository"), "--repo"),
     ready_timeout: float = typer.Option(60.0, "--ready-timeout"),
@@ -238,7 +312,9 @@ def rollout_command(
     urls = [u.strip() for u in (servers or "").split(",") if u.strip()]
     if regions:
         if config is None:
-            raise typer.BadParameter("--regions needs --config (the gateway config naming the servers)", param_hint="--regions")
+            raise typer.BadParameter(
+                "--regions needs --config (the gateway config naming the servers)", param_hint="--regions"
+            )
         from gateway.config import load_gateway_config
 
         gw = load_gateway_config(config)
@@ -255,20 +331,26 @@ def rollout_command(
         console.print(f"[red]rollout failed:[/red] {exc}")
         raise typer.Exit(1) from exc
     for r in done:
-        console.print(f"{r.server}: version {version} ready in {r.ready_s:.1f}s, canary max |Δp| {r.canary_max_abs_error:.1e} "
-                      f"(was serving {', '.join(r.previous_versions) or 'nothing'})")
+        console.print(
+            f"{r.server}: version {version} ready in {r.ready_s:.1f}s, canary max |Δp| {r.canary_max_abs_error:.1e} "
+            f"(was serving {', '.join(r.previous_versions) or 'nothing'})"
+        )
 
 
 @gateway_app.callback()
 def gateway_command(
     ctx: typer.Context,
-    config: Path | None = typer.Option(None, "--config", help="Gateway config (YAML or TOML); env SKEWSERVE_GATEWAY_* overrides."),
+    config: Path | None = typer.Option(
+        None, "--config", help="Gateway config (YAML or TOML); env SKEWSERVE_GATEWAY_* overrides."
+    ),
 ) -> None:
     """Run the gateway in front of the Triton servers named in --config."""
     if ctx.invoked_subcommand is not None:
         return
     if config is None:
-        raise typer.BadParameter("give --config FILE (see deploy/gateway.example.yaml)", param_hint="--config")
+        raise typer.BadParameter(
+            "give --config FILE (see deploy/gateway.example.yaml)", param_hint="--config"
+        )
     from gateway.config import ConfigError, load_gateway_config
     from gateway.logs import configure_logging
     from gateway.server import run
@@ -283,7 +365,9 @@ def gateway_command(
 
 
 @gateway_app.command("hash-key")
-def hash_key_command(key: str = typer.Argument(..., help="The API key to hash for auth.keys[].sha256.")) -> None:
+def hash_key_command(
+    key: str = typer.Argument(..., help="The API key to hash for auth.keys[].sha256."),
+) -> None:
     """Print the SHA-256 to put in the config for an API key (the key itself is never stored)."""
     from gateway.auth import hash_key
 
@@ -292,7 +376,9 @@ def hash_key_command(key: str = typer.Argument(..., help="The API key to hash fo
 
 @app.command("up")
 def up_command(
-    config: Path = typer.Option(..., "--config", help="Stack config: model repository, regions, gateway settings."),
+    config: Path = typer.Option(
+        ..., "--config", help="Stack config: model repository, regions, gateway settings."
+    ),
     log_dir: Path = typer.Option(Path("runs/stack-logs"), "--log-dir"),
 ) -> None:
     """Start the Triton servers the config names (local CPU profile) and the gateway; Ctrl-C stops all."""
@@ -327,7 +413,14 @@ def print_stack(stack: Any) -> None:
     for col in ("role", "region", "name", "http", "grpc", "pid"):
         table.add_column(col, no_wrap=True)
     gw_pid = str(stack.gateway_proc.pid) if stack.gateway_proc else "-"
-    table.add_row("gateway", stack.config.gateway["home_region"] + " (home)", "gateway", f"http://{stack.gateway_http}", stack.gateway_grpc, gw_pid)
+    table.add_row(
+        "gateway",
+        stack.config.gateway["home_region"] + " (home)",
+        "gateway",
+        f"http://{stack.gateway_http}",
+        stack.gateway_grpc,
+        gw_pid,
+    )
     for s in stack.fleet.servers:
         table.add_row("triton", s.spec.region, s.spec.name, s.http_url, s.grpc_address, str(s.pid))
     console.print(table)
@@ -335,7 +428,9 @@ def print_stack(stack: Any) -> None:
 
 @app.command("loadtest")
 def loadtest_command(
-    target: str = typer.Option(..., "--target", help="Gateway (or Triton) URL: http://host:port, or host:port for gRPC."),
+    target: str = typer.Option(
+        ..., "--target", help="Gateway (or Triton) URL: http://host:port, or host:port for gRPC."
+    ),
     protocol: str = typer.Option("http-binary", "--protocol", help="http | http-binary | grpc"),
     model: str = typer.Option(..., "--model", help="Hot model name."),
     users: int = typer.Option(4, "--users", min=1),
@@ -346,9 +441,15 @@ def loadtest_command(
     zipf: float = typer.Option(1.1, "--zipf", help="Zipf exponent of key popularity (0 = uniform)."),
     cold_model: str = typer.Option("", "--cold-model", help="A second, rarely used model."),
     cold_fraction: float = typer.Option(0.0, "--cold-fraction"),
-    regions: str = typer.Option("", "--regions", help="Pin requests to these regions at random (comma-separated)."),
-    metrics_url: str | None = typer.Option(None, "--metrics-url", help="Gateway /metrics (default: from an HTTP target)."),
-    slo: Path | None = typer.Option(None, "--slo", help="YAML with p95_ms, p99_ms, error_rate; breach = exit 1."),
+    regions: str = typer.Option(
+        "", "--regions", help="Pin requests to these regions at random (comma-separated)."
+    ),
+    metrics_url: str | None = typer.Option(
+        None, "--metrics-url", help="Gateway /metrics (default: from an HTTP target)."
+    ),
+    slo: Path | None = typer.Option(
+        None, "--slo", help="YAML with p95_ms, p99_ms, error_rate; breach = exit 1."
+    ),
     out: Path = typer.Option(Path("runs/loadtest"), "--out"),
 ) -> None:
     """Run a bounded locust load with skewed traffic; write CSV, HTML and PNG; gate on an SLO file."""
@@ -360,13 +461,29 @@ def loadtest_command(
         slo_bounds = load_slo(slo) if slo else None
         seconds = parse_duration(duration)
         if metrics_url is None and protocol != "grpc":
-            metrics_url = (target if target.startswith("http") else f"http://{target}").rstrip("/") + "/metrics"
+            metrics_url = (target if target.startswith("http") else f"http://{target}").rstrip(
+                "/"
+            ) + "/metrics"
         features = model_feature_count(target, protocol, model)
         spec = LoadTestSpec(
-            target=target, protocol=protocol, users=users, spawn_rate=spawn_rate, duration_s=seconds, shape=shape,
-            out_dir=out, metrics_url=metrics_url, slo=slo_bounds,
-            mix=MixSettings(model=model, n_features=features, keys=keys, zipf_s=zipf, cold_model=cold_model,
-                            cold_fraction=cold_fraction, regions=tuple(r for r in regions.split(",") if r)),
+            target=target,
+            protocol=protocol,
+            users=users,
+            spawn_rate=spawn_rate,
+            duration_s=seconds,
+            shape=shape,
+            out_dir=out,
+            metrics_url=metrics_url,
+            slo=slo_bounds,
+            mix=MixSettings(
+                model=model,
+                n_features=features,
+                keys=keys,
+                zipf_s=zipf,
+                cold_model=cold_model,
+                cold_fraction=cold_fraction,
+                regions=tuple(r for r in regions.split(",") if r),
+            ),
         )
     except Exception as exc:  # bad options or an unreachable target: say which
         console.print(f"[red]error:[/red] {exc}")
@@ -388,7 +505,15 @@ def print_loadtest(result: Any) -> None:
     for col in ("request", "requests", "failures", "rps", "p50 ms", "p95 ms", "p99 ms"):
         table.add_column(col, justify="left" if col == "request" else "right", no_wrap=True)
     for r in [*result.rows, result.total]:
-        table.add_row(r.name, str(r.requests), str(r.failures), f"{r.rps:.1f}", f"{r.p50_ms:.1f}", f"{r.p95_ms:.1f}", f"{r.p99_ms:.1f}")
+        table.add_row(
+            r.name,
+            str(r.requests),
+            str(r.failures),
+            f"{r.rps:.1f}",
+            f"{r.p50_ms:.1f}",
+            f"{r.p95_ms:.1f}",
+            f"{r.p99_ms:.1f}",
+        )
     console.print(table)
     extra = []
     if result.cache_hit_rate is not None:
@@ -402,7 +527,9 @@ def print_loadtest(result: Any) -> None:
 
 @app.command("demo")
 def demo_command(
-    out: Path = typer.Option(Path("runs/demo"), "--out", help="Working directory for data, artifact, logs, reports."),
+    out: Path = typer.Option(
+        Path("runs/demo"), "--out", help="Working directory for data, artifact, logs, reports."
+    ),
     repo: Path = typer.Option(Path("model_repository"), "--repo", help="Model repository to publish into."),
     load_seconds: float = typer.Option(20.0, "--load-seconds", help="Length of the locust run."),
     epochs: int = typer.Option(20, "--epochs"),

@@ -11,21 +11,17 @@ The gateway section is a gateway config without `regions`: they are filled in fr
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
-import sys
-import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
+import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.config import GatewayConfig, format_validation_error
 from skewserve.errors import SkewserveError
+from skewserve.gateway_process import GatewayProcess, start_gateway_process
 from skewserve.triton_process import TritonFleet, TritonServerSpec
 
 
@@ -61,11 +57,21 @@ def load_stack_config(path: Path) -> StackConfig:
     except ValidationError as exc:
         raise StackConfigError(format_validation_error(exc, str(path))) from exc
     if not cfg.repository.is_absolute():
-        cfg.repository = (path.parent / cfg.repository).resolve() if not cfg.repository.exists() else cfg.repository.resolve()
+        cfg.repository = (
+            (path.parent / cfg.repository).resolve()
+            if not cfg.repository.exists()
+            else cfg.repository.resolve()
+        )
     gw = dict(cfg.gateway)
     gw.setdefault("home_region", next(iter(cfg.regions)))
     try:
-        GatewayConfig(**gw, regions=[{"name": r, "servers": [{"name": f"probe-{r}", "http": "127.0.0.1:1", "grpc": "127.0.0.1:2"}]} for r in cfg.regions])
+        GatewayConfig(
+            **gw,
+            regions=[
+                {"name": r, "servers": [{"name": f"probe-{r}", "http": "127.0.0.1:1", "grpc": "127.0.0.1:2"}]}
+                for r in cfg.regions
+            ],
+        )
     except ValidationError as exc:
         raise StackConfigError(format_validation_error(exc, f"{path} (gateway section)")) from exc
     cfg.gateway = gw
@@ -77,14 +83,19 @@ class LocalStack:
         self.config = config
         self.log_dir = Path(log_dir)
         specs = [
-            TritonServerSpec(repository=config.repository, region=region, name=f"{region}-{i}",
-                             model_config_name=config.model_config_name, model_control_mode=config.model_control_mode,
-                             load_models=("*",) if config.model_control_mode == "explicit" else ())
+            TritonServerSpec(
+                repository=config.repository,
+                region=region,
+                name=f"{region}-{i}",
+                model_config_name=config.model_config_name,
+                model_control_mode=config.model_control_mode,
+                load_models=("*",) if config.model_control_mode == "explicit" else (),
+            )
             for region, n in config.regions.items()
             for i in range(n)
         ]
         self.fleet = TritonFleet(specs, self.log_dir)
-        self.gateway_proc: subprocess.Popen[bytes] | None = None
+        self.gateway: GatewayProcess | None = None
         self.gateway_http = ""
         self.gateway_grpc = ""
         self.gateway_config_path = self.log_dir / "gateway.generated.yaml"
@@ -92,7 +103,12 @@ class LocalStack:
     def gateway_config(self) -> dict[str, Any]:
         cfg = dict(self.config.gateway)
         cfg["regions"] = [
-            {"name": region, "servers": [{"name": s.spec.name, "http": s.http_address, "grpc": s.grpc_address} for s in servers]}
+            {
+                "name": region,
+                "servers": [
+                    {"name": s.spec.name, "http": s.http_address, "grpc": s.grpc_address} for s in servers
+                ],
+            }
             for region, servers in self.fleet.by_region().items()
         ]
         return cfg
@@ -101,38 +117,21 @@ class LocalStack:
         self.fleet.start()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.gateway_config_path.write_text(yaml.safe_dump(self.gateway_config()))
-        ready = self.log_dir / "gateway.ready"
-        ready.unlink(missing_ok=True)
-        log = open(self.log_dir / "gateway.log", "wb")  # noqa: SIM115 - owned by the child
-        self.gateway_proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "--config", str(self.gateway_config_path), "--ready-file", str(ready)],
-            stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+        host = self.config.gateway.get("listen", {}).get("host", "127.0.0.1")
+        self.gateway = start_gateway_process(
+            self.gateway_config_path, self.log_dir / "gateway.log", host, timeout_s
         )
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.gateway_proc.poll() is not None:
-                tail = (self.log_dir / "gateway.log").read_text(errors="replace")[-1500:]
-                raise SkewserveError(f"gateway exited with {self.gateway_proc.returncode}: {tail}")
-            if ready.exists() and ready.read_text().strip():
-                ports = json.loads(ready.read_text())
-                host = self.config.gateway.get("listen", {}).get("host", "127.0.0.1")
-                self.gateway_http = f"{host}:{ports['http_port']}"
-                self.gateway_grpc = f"{host}:{ports['grpc_port']}"
-                return self
-            time.sleep(0.05)
-        raise SkewserveError(f"gateway not ready after {timeout_s:.0f}s; see {self.log_dir / 'gateway.log'}")
+        self.gateway_http, self.gateway_grpc = self.gateway.http, self.gateway.grpc
+        return self
+
+    @property
+    def gateway_proc(self) -> subprocess.Popen[bytes] | None:
+        return self.gateway.proc if self.gateway is not None else None
 
     def stop(self) -> None:
-        proc = self.gateway_proc
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        self.gateway_proc = None
+        if self.gateway is not None:
+            self.gateway.stop()
+            self.gateway = None
         self.fleet.stop()
 
     def __enter__(self) -> LocalStack:

@@ -25,7 +25,10 @@ _LOAD_FAILURE = re.compile(
     r"(failed to load '.*|UNAVAILABLE: .*|Invalid argument.*|Poll failed for model directory .*|"
     r"Error parsing text-format .*|error: creating server: .*)"
 )
-_PORT_TAKEN = re.compile(r"(Address already in use|Failed to listen on|Socket '.*' already in use|failed to start .* service)", re.I)
+_PORT_TAKEN = re.compile(
+    r"(Address already in use|Failed to listen on|Socket '.*' already in use|failed to start .* service)",
+    re.I,
+)
 
 
 class TritonServerSpec(BaseModel):
@@ -60,7 +63,9 @@ class TritonServerSpec(BaseModel):
     @classmethod
     def _repo_exists(cls, value: Path) -> Path:
         if not value.is_dir():
-            raise ValueError(f"model repository {value} is not a directory; export a model first (skewserve export)")
+            raise ValueError(
+                f"model repository {value} is not a directory; export a model first (skewserve export)"
+            )
         return value.resolve()
 
 
@@ -161,7 +166,13 @@ class TritonServer:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child, closed in stop()
         self._log_handle = log
-        logger.info("starting tritonserver %s/%s: http %s grpc %s", self.spec.region, self.spec.name, self.http_port, self.grpc_port)
+        logger.info(
+            "starting tritonserver %s/%s: http %s grpc %s",
+            self.spec.region,
+            self.spec.name,
+            self.http_port,
+            self.grpc_port,
+        )
         # A new session makes the server and its Python-backend stubs one process group to signal.
         self._proc = subprocess.Popen(
             self.command(prepared),
@@ -192,14 +203,18 @@ class TritonServer:
             if code is not None:
                 text = self.log_text()
                 if _PORT_TAKEN.search(text):
-                    raise PortInUse(f"tritonserver {self.spec.name} could not bind its ports: {self._failure_reason()}")
+                    raise PortInUse(
+                        f"tritonserver {self.spec.name} could not bind its ports: {self._failure_reason()}"
+                    )
                 reason = self._failure_reason()
                 if "failed to load" in text or "UNAVAILABLE" in text or "Poll failed" in text:
                     raise ModelLoadError(
                         f"tritonserver {self.spec.region}/{self.spec.name} exited ({code}) because a model "
                         f"failed to load: {reason} (full log: {self.log_path})"
                     )
-                raise TritonStartError(f"tritonserver {self.spec.name} exited with code {code}: {reason} (log: {self.log_path})")
+                raise TritonStartError(
+                    f"tritonserver {self.spec.name} exited with code {code}: {reason} (log: {self.log_path})"
+                )
             try:
                 with urllib.request.urlopen(url, timeout=1.0) as resp:
                     if resp.status == 200:
@@ -226,7 +241,11 @@ class TritonServer:
             try:
                 proc.wait(timeout=self.spec.stop_timeout_s)
             except subprocess.TimeoutExpired:
-                logger.warning("tritonserver %s ignored SIGTERM for %.0fs, killing it", self.spec.name, self.spec.stop_timeout_s)
+                logger.warning(
+                    "tritonserver %s ignored SIGTERM for %.0fs, killing it",
+                    self.spec.name,
+                    self.spec.stop_timeout_s,
+                )
         # Stubs can outlive the server by a moment; the group kill reaps whatever is left.
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -277,7 +296,11 @@ class TritonFleet:
             for server in self.servers:
                 server._prepared = prepared
                 if not server._fixed_ports:
-                    server.http_port, server.grpc_port, server.metrics_port = free_port(), free_port(), free_port()
+                    server.http_port, server.grpc_port, server.metrics_port = (
+                        free_port(),
+                        free_port(),
+                        free_port(),
+                    )
                 server._launch(prepared)
             for server in self.servers:
                 try:

@@ -35,8 +35,19 @@ def small_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from training.synth import SynthSpec, write
 
     d = tmp_path_factory.mktemp("lt_data")
-    write(SynthSpec(n_classes=5, imbalance_ratio=20, n_max=400, n_features=8, n_informative=6,
-                    n_val_per_class=40, n_test_per_class=40, seed=2), d)
+    write(
+        SynthSpec(
+            n_classes=5,
+            imbalance_ratio=20,
+            n_max=400,
+            n_features=8,
+            n_informative=6,
+            n_val_per_class=40,
+            n_test_per_class=40,
+            seed=2,
+        ),
+        d,
+    )
     return d
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-AFFINE_MODEL_PY = '''
+AFFINE_MODEL_PY = """
 import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -26,9 +26,9 @@ class TritonPythonModel:
             y = (x * self.scale + 1.0).astype(np.float32)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", y)]))
         return responses
-'''
+"""
 
-CONFIG = '''
+CONFIG = """
 name: "{name}"
 backend: "python"
 max_batch_size: 8
@@ -36,10 +36,12 @@ input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
 output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
 instance_group [ {{ kind: KIND_CPU count: 1 }} ]
 parameters [ {{ key: "scale" value: {{ string_value: "{scale}" }} }} {extra} ]
-'''
+"""
 
 
-def write_affine_model(repo: Path, name: str = "affine", scale: float = 2.0, fail_reason: str = "", version: int = 1) -> Path:
+def write_affine_model(
+    repo: Path, name: str = "affine", scale: float = 2.0, fail_reason: str = "", version: int = 1
+) -> Path:
     """Write a model computing OUTPUT0 = INPUT0 * scale + 1 with both config profiles."""
     model_dir = repo / name
     (model_dir / str(version)).mkdir(parents=True, exist_ok=True)

@@ -12,10 +12,33 @@ import pytest
 
 @pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "skewserve.cli", "demo", "--out", str(tmp_path / "demo"), "--repo", str(tmp_path / "repo"),
-                          "--load-seconds", "5", "--epochs", "4"], capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "skewserve.cli",
+            "demo",
+            "--out",
+            str(tmp_path / "demo"),
+            "--repo",
+            str(tmp_path / "repo"),
+            "--load-seconds",
+            "5",
+            "--epochs",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    for step in ("step 1/8", "step 8/8", "predictions through the gateway", "per-class recall", "demo finished"):
+    for step in (
+        "step 1/8",
+        "step 8/8",
+        "predictions through the gateway",
+        "per-class recall",
+        "demo finished",
+    ):
         assert step in res.stdout
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert summary["failures"] == 0 and summary["requests"] > 0 and summary["cache_hit_rate"] > 0.5

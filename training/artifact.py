@@ -72,10 +72,14 @@ def plot_confusion(cm: np.ndarray, classes: list[str], path: Path) -> None:
 def read_metadata(artifact_dir: Path) -> dict[str, Any]:
     path = Path(artifact_dir) / "metadata.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{artifact_dir} is not a complete artifact: metadata.json is missing (train first)")
+        raise FileNotFoundError(
+            f"{artifact_dir} is not a complete artifact: metadata.json is missing (train first)"
+        )
     meta: dict[str, Any] = json.loads(path.read_text())
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"artifact format_version {meta.get('format_version')} is not supported (expected {FORMAT_VERSION})")
+        raise ValueError(
+            f"artifact format_version {meta.get('format_version')} is not supported (expected {FORMAT_VERSION})"
+        )
     return meta
 
 

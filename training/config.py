@@ -33,12 +33,16 @@ class TrainConfig(BaseModel):
     warmup_fraction: float = Field(default=0.05, ge=0, lt=1)
     grad_clip: float | None = Field(default=1.0, gt=0)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    patience: int | None = Field(default=8, ge=1, description="early stopping on val balanced accuracy; None disables")
+    patience: int | None = Field(
+        default=8, ge=1, description="early stopping on val balanced accuracy; None disables"
+    )
     seed: int = 0
     # distributed
     nproc: int = Field(default=1, ge=1)
     speed_balance: bool = True
-    slow_rank: int | None = Field(default=None, ge=0, description="rank to slow down, to reproduce a mixed fleet")
+    slow_rank: int | None = Field(
+        default=None, ge=0, description="rank to slow down, to reproduce a mixed fleet"
+    )
     slow_factor: float = Field(default=1.0, ge=1.0)
     threads_per_rank: int | None = Field(default=None, ge=1)
     resume: bool = False
@@ -52,7 +56,9 @@ class TrainConfig(BaseModel):
                 "raise --batch-size or lower --nproc"
             )
         if self.slow_rank is not None and self.slow_rank >= self.nproc:
-            raise ValueError(f"slow_rank {self.slow_rank} does not exist with nproc={self.nproc}; use 0..{self.nproc - 1}")
+            raise ValueError(
+                f"slow_rank {self.slow_rank} does not exist with nproc={self.nproc}; use 0..{self.nproc - 1}"
+            )
         return self
 
     @property

@@ -73,7 +73,9 @@ def _validate_frame(df: pd.DataFrame, label: str, split: str, feature_names: lis
                 f"({n_nan} NaN, {int(bad.sum()) - n_nan} inf); impute or drop those rows"
             )
     if df[label].isna().any():
-        raise DataError(f"label column {label!r} in the {split} split has {int(df[label].isna().sum())} missing values")
+        raise DataError(
+            f"label column {label!r} in the {split} split has {int(df[label].isna().sum())} missing values"
+        )
     return features
 
 
@@ -101,7 +103,9 @@ def load_dataset(
 
     classes = sorted({str(v) for v in train_df[label].unique()})
     if len(classes) < 2:
-        raise DataError(f"training split has {len(classes)} class ({classes}); classification needs at least two")
+        raise DataError(
+            f"training split has {len(classes)} class ({classes}); classification needs at least two"
+        )
     index = {c: i for i, c in enumerate(classes)}
 
     def encode(df: pd.DataFrame, split: str) -> Split:

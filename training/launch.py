@@ -16,9 +16,17 @@ from training.errors import TrainingError
 
 def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes=1", f"--nproc-per-node={cfg.nproc}", "--max-restarts=0",
-        "-m", "training.worker", "--config", str(config_path),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={cfg.nproc}",
+        "--max-restarts=0",
+        "-m",
+        "training.worker",
+        "--config",
+        str(config_path),
     ]
 
 
@@ -38,8 +46,10 @@ def train(cfg: TrainConfig, log_path: Path | None = None) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:
             log = stack.enter_context(open(log_path, "w")) if log_path is not None else None
             proc = subprocess.run(
-                torchrun_command(cfg, config_path), env=env,
-                stdout=log, stderr=subprocess.STDOUT if log is not None else None,
+                torchrun_command(cfg, config_path),
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT if log is not None else None,
             )
         if proc.returncode != 0:
             hint = f"; see {log_path}" if log_path else ""

@@ -20,7 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 LossName = Literal["ce", "weighted_ce", "effective_ce", "focal", "logit_adjusted", "balanced_softmax"]
-LOSS_NAMES: tuple[str, ...] = ("ce", "weighted_ce", "effective_ce", "focal", "logit_adjusted", "balanced_softmax")
+LOSS_NAMES: tuple[str, ...] = (
+    "ce",
+    "weighted_ce",
+    "effective_ce",
+    "focal",
+    "logit_adjusted",
+    "balanced_softmax",
+)
 
 
 def inverse_frequency_weights(counts: np.ndarray) -> np.ndarray:
@@ -38,7 +45,9 @@ def effective_number_weights(counts: np.ndarray, beta: float = 0.999) -> np.ndar
 class SkewLoss(nn.Module):
     """One of the losses above, configured once with the training class counts."""
 
-    def __init__(self, name: str, class_counts: np.ndarray, tau: float = 1.0, gamma: float = 2.0, beta: float = 0.999) -> None:
+    def __init__(
+        self, name: str, class_counts: np.ndarray, tau: float = 1.0, gamma: float = 2.0, beta: float = 0.999
+    ) -> None:
         super().__init__()
         if name not in LOSS_NAMES:
             raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSS_NAMES)}")

@@ -28,7 +28,12 @@ def classification_report(y_true: np.ndarray, y_pred: np.ndarray, classes: list[
         "balanced_accuracy": float(recall[present].mean()) if present.any() else 0.0,
         "macro_f1": float(f1[present].mean()) if present.any() else 0.0,
         "per_class": {
-            name: {"precision": float(precision[i]), "recall": float(recall[i]), "f1": float(f1[i]), "support": int(support[i])}
+            name: {
+                "precision": float(precision[i]),
+                "recall": float(recall[i]),
+                "f1": float(f1[i]),
+                "support": int(support[i]),
+            }
             for i, name in enumerate(classes)
         },
         "confusion_matrix": cm.tolist(),

@@ -19,11 +19,19 @@ class ModelSpec(BaseModel):
 class MLPClassifier(nn.Module):
     """Standardise -> [Linear -> GELU -> Dropout] x depth -> Linear (logits)."""
 
-    def __init__(self, spec: ModelSpec, mean: np.ndarray | None = None, std: np.ndarray | None = None) -> None:
+    def __init__(
+        self, spec: ModelSpec, mean: np.ndarray | None = None, std: np.ndarray | None = None
+    ) -> None:
         super().__init__()
         self.spec = spec
-        self.register_buffer("feature_mean", torch.as_tensor(mean if mean is not None else np.zeros(spec.n_features), dtype=torch.float32))
-        self.register_buffer("feature_std", torch.as_tensor(std if std is not None else np.ones(spec.n_features), dtype=torch.float32))
+        self.register_buffer(
+            "feature_mean",
+            torch.as_tensor(mean if mean is not None else np.zeros(spec.n_features), dtype=torch.float32),
+        )
+        self.register_buffer(
+            "feature_std",
+            torch.as_tensor(std if std is not None else np.ones(spec.n_features), dtype=torch.float32),
+        )
         layers: list[nn.Module] = []
         width_in = spec.n_features
         for _ in range(spec.depth):

@@ -75,7 +75,12 @@ class SkewMonitor:
         """Combine every rank's epoch totals (collective: all ranks call it) and log the summary."""
         acc = self.epoch
         local = torch.tensor(
-            [acc.busy_s / max(1, acc.steps), acc.allreduce_wait_s / max(1, acc.steps), acc.data_wait_s / max(1, acc.steps), float(acc.samples)],
+            [
+                acc.busy_s / max(1, acc.steps),
+                acc.allreduce_wait_s / max(1, acc.steps),
+                acc.data_wait_s / max(1, acc.steps),
+                float(acc.samples),
+            ],
             dtype=torch.float64,
         )
         counts = torch.tensor(acc.class_counts, dtype=torch.int64)

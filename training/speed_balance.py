@@ -21,7 +21,14 @@ from training.sampler import largest_remainder
 
 
 class RankSpeedBalancer:
-    def __init__(self, world_size: int, enabled: bool = True, gain: float = 0.5, smoothing: float = 0.5, min_share: float = 0.02) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        enabled: bool = True,
+        gain: float = 0.5,
+        smoothing: float = 0.5,
+        min_share: float = 0.02,
+    ) -> None:
         if not 0 < gain <= 1 or not 0 < smoothing <= 1:
             raise ValueError(f"gain and smoothing must be within (0, 1], got {gain}, {smoothing}")
         self.world_size = world_size

@@ -34,7 +34,9 @@ class SynthSpec(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> SynthSpec:
         if self.n_informative > self.n_features:
-            raise ValueError(f"n_informative ({self.n_informative}) cannot exceed n_features ({self.n_features})")
+            raise ValueError(
+                f"n_informative ({self.n_informative}) cannot exceed n_features ({self.n_features})"
+            )
         if self.n_max / self.imbalance_ratio < 1:
             raise ValueError(
                 f"n_max / imbalance_ratio = {self.n_max / self.imbalance_ratio:.2f} leaves the rarest class empty; "
@@ -47,7 +49,9 @@ class SynthSpec(BaseModel):
         return [max(1, int(round(self.n_max * self.imbalance_ratio ** (-i / (c - 1))))) for i in range(c)]
 
 
-def _draw(spec: SynthSpec, rng: np.random.Generator, centers: np.ndarray, sizes: list[int], shift: float) -> tuple[np.ndarray, np.ndarray]:
+def _draw(
+    spec: SynthSpec, rng: np.random.Generator, centers: np.ndarray, sizes: list[int], shift: float
+) -> tuple[np.ndarray, np.ndarray]:
     xs, ys = [], []
     for cls, n in enumerate(sizes):
         which = rng.integers(0, spec.clusters_per_class, size=n)
@@ -69,7 +73,9 @@ def _draw(spec: SynthSpec, rng: np.random.Generator, centers: np.ndarray, sizes:
 def generate(spec: SynthSpec) -> dict[str, pd.DataFrame]:
     """Return train / val / test frames with columns f00.. and `label` (class names `class_00`..)."""
     rng = np.random.default_rng(spec.seed)
-    centers = rng.normal(0, spec.class_separation, size=(spec.n_classes, spec.clusters_per_class, spec.n_informative))
+    centers = rng.normal(
+        0, spec.class_separation, size=(spec.n_classes, spec.clusters_per_class, spec.n_informative)
+    )
     frames: dict[str, pd.DataFrame] = {}
     plan = {
         "train": (spec.class_sizes(), 0.0),
@@ -101,5 +107,7 @@ def write(spec: SynthSpec, out_dir: Path) -> dict[str, Path]:
         df.to_parquet(tmp, index=False)
         tmp.replace(path)
         paths[split] = path
-    (out_dir / "dataset.json").write_text(json.dumps({"spec": spec.model_dump(), "train_class_sizes": spec.class_sizes()}, indent=2))
+    (out_dir / "dataset.json").write_text(
+        json.dumps({"spec": spec.model_dump(), "train_class_sizes": spec.class_sizes()}, indent=2)
+    )
     return paths

@@ -38,7 +38,20 @@ from training.speed_balance import RankSpeedBalancer, slice_for_rank
 logger = logging.getLogger(__name__)
 FAULT_ENV = "SKEWSERVE_FAULT_EXIT_AFTER_EPOCH"
 # Fields whose change makes a checkpoint meaningless to resume.
-RESUME_KEYS = ("loss", "tau", "sampler_q", "width", "depth", "dropout", "global_batch_size", "lr", "seed", "nproc", "precision", "epochs")
+RESUME_KEYS = (
+    "loss",
+    "tau",
+    "sampler_q",
+    "width",
+    "depth",
+    "dropout",
+    "global_batch_size",
+    "lr",
+    "seed",
+    "nproc",
+    "precision",
+    "epochs",
+)
 
 
 @dataclass
@@ -115,16 +128,26 @@ class Trainer:
         self.counts = self.data.class_counts
         mean, std = standardisation(train.features)
         torch.manual_seed(cfg.seed)
-        self.spec = ModelSpec(n_features=train.features.shape[1], n_classes=len(self.data.classes), width=cfg.width, depth=cfg.depth, dropout=cfg.dropout)
+        self.spec = ModelSpec(
+            n_features=train.features.shape[1],
+            n_classes=len(self.data.classes),
+            width=cfg.width,
+            depth=cfg.depth,
+            dropout=cfg.dropout,
+        )
         self.model = MLPClassifier(self.spec, mean, std)
         self.loss_fn = SkewLoss(cfg.loss, self.counts, tau=cfg.tau, gamma=cfg.focal_gamma)
-        self.hook = _HookState(process_group=None, slow_factor=cfg.slow_factor if cfg.slow_rank == self.rank else 1.0)
+        self.hook = _HookState(
+            process_group=None, slow_factor=cfg.slow_factor if cfg.slow_rank == self.rank else 1.0
+        )
         if self.world > 1:
             self.ddp: torch.nn.Module = DistributedDataParallel(self.model)
             self.ddp.register_comm_hook(self.hook, _timed_allreduce)  # type: ignore[operator]
         else:
             self.ddp = self.model
-        self.sampler = ClassBalancedSampler(train.labels, self.world, self.rank, q=cfg.sampler_q, seed=cfg.seed)
+        self.sampler = ClassBalancedSampler(
+            train.labels, self.world, self.rank, q=cfg.sampler_q, seed=cfg.seed
+        )
         self.balancer = RankSpeedBalancer(self.world, enabled=cfg.speed_balance and self.world > 1)
         self.local_batch = max(1, cfg.global_batch_size // self.world)
         if self.balancer.enabled:
@@ -133,7 +156,9 @@ class Trainer:
             self.steps_per_epoch = max(1, math.ceil(self.sampler.per_rank / self.local_batch))
         total_steps = self.steps_per_epoch * cfg.epochs
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(total_steps, int(cfg.warmup_fraction * total_steps)))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _lr_lambda(total_steps, int(cfg.warmup_fraction * total_steps))
+        )
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16")
         self.monitor = SkewMonitor(cfg.checkpoint_dir, self.rank, self.world, len(self.data.classes))
         self.x = torch.from_numpy(np.array(train.features, copy=True))
@@ -155,31 +180,49 @@ class Trainer:
         state = load_checkpoint(self.cfg.checkpoint_dir)
         if state is None:
             if self.rank == 0:
-                logger.warning("--resume given but %s has no checkpoint; starting from epoch 0", self.cfg.checkpoint_dir)
+                logger.warning(
+                    "--resume given but %s has no checkpoint; starting from epoch 0", self.cfg.checkpoint_dir
+                )
             return
         saved = state["signature"]
         diff = {k: (saved.get(k), v) for k, v in self._resume_signature().items() if saved.get(k) != v}
         if diff:
             detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-            raise CheckpointError(f"cannot resume: the run's settings changed ({detail}); restore them or drop --resume")
+            raise CheckpointError(
+                f"cannot resume: the run's settings changed ({detail}); restore them or drop --resume"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.balancer.load_state_dict(state["balancer"])
         self.start_epoch = int(state["epoch"]) + 1
         self.best_bacc, self.best_epoch = state["best_bacc"], state["best_epoch"]
-        self.best_state, self.stale_epochs, self.history = state["best_state"], state["stale_epochs"], state["history"]
+        self.best_state, self.stale_epochs, self.history = (
+            state["best_state"],
+            state["stale_epochs"],
+            state["history"],
+        )
         if self.rank == 0:
             logger.info("resumed from epoch %d", state["epoch"])
 
     def _checkpoint(self, epoch: int) -> None:
         if self.rank == 0:
-            save_checkpoint(self.cfg.checkpoint_dir, {
-                "epoch": epoch, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "balancer": self.balancer.state_dict(),
-                "best_bacc": self.best_bacc, "best_epoch": self.best_epoch, "best_state": self.best_state,
-                "stale_epochs": self.stale_epochs, "history": self.history, "signature": self._resume_signature(),
-            })
+            save_checkpoint(
+                self.cfg.checkpoint_dir,
+                {
+                    "epoch": epoch,
+                    "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "balancer": self.balancer.state_dict(),
+                    "best_bacc": self.best_bacc,
+                    "best_epoch": self.best_epoch,
+                    "best_state": self.best_state,
+                    "stale_epochs": self.stale_epochs,
+                    "history": self.history,
+                    "signature": self._resume_signature(),
+                },
+            )
         if self.world > 1:
             dist.barrier()
 
@@ -225,7 +268,9 @@ class Trainer:
         self.scheduler.step()
         t3 = time.monotonic()
         compute = (self.hook.compute_end - t1) + (t3 - t2)
-        rec = StepRecord(self.rank, epoch, step, len(idx), compute, t1 - t0, t2 - self.hook.compute_end, t3 - t0)
+        rec = StepRecord(
+            self.rank, epoch, step, len(idx), compute, t1 - t0, t2 - self.hook.compute_end, t3 - t0
+        )
         if self.balancer.enabled:
             self.balancer.gather_and_observe(rec.compute_s)
         return float(loss.detach()) * global_n / self.world / max(1, len(idx)), rec
@@ -237,7 +282,13 @@ class Trainer:
         if self.rank == 0 and cfg.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.epochs * self.steps_per_epoch, initial=self.start_epoch * self.steps_per_epoch, desc="train", unit="step", file=sys.stderr)
+            bar = tqdm(
+                total=cfg.epochs * self.steps_per_epoch,
+                initial=self.start_epoch * self.steps_per_epoch,
+                desc="train",
+                unit="step",
+                file=sys.stderr,
+            )
         fault_epoch = int(os.environ.get(FAULT_ENV, "-1"))
         for epoch in range(self.start_epoch, cfg.epochs):
             # Per-epoch seeding makes dropout masks a function of (seed, epoch, rank): resume replays exactly.
@@ -260,21 +311,34 @@ class Trainer:
                 self.best_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             else:
                 self.stale_epochs += 1
-            summary = self.monitor.finish_epoch(epoch, wall, {
-                "train_loss": round(loss_sum / self.steps_per_epoch, 5),
-                "val_balanced_accuracy": round(val["balanced_accuracy"], 5),
-                "val_macro_f1": round(val["macro_f1"], 5),
-                "rank_shares": [round(float(s), 4) for s in self.balancer.shares()],
-            })
+            summary = self.monitor.finish_epoch(
+                epoch,
+                wall,
+                {
+                    "train_loss": round(loss_sum / self.steps_per_epoch, 5),
+                    "val_balanced_accuracy": round(val["balanced_accuracy"], 5),
+                    "val_macro_f1": round(val["macro_f1"], 5),
+                    "rank_shares": [round(float(s), 4) for s in self.balancer.shares()],
+                },
+            )
             self.history.append(summary)
             if bar is not None:
-                bar.set_postfix(epoch=epoch, loss=f"{summary['train_loss']:.3f}", val_bacc=f"{val['balanced_accuracy']:.3f}", imbalance=f"{summary['imbalance_ratio']:.2f}")
+                bar.set_postfix(
+                    epoch=epoch,
+                    loss=f"{summary['train_loss']:.3f}",
+                    val_bacc=f"{val['balanced_accuracy']:.3f}",
+                    imbalance=f"{summary['imbalance_ratio']:.2f}",
+                )
             self._checkpoint(epoch)
             if epoch == fault_epoch:
                 os._exit(137)  # fault injection for resume tests: die like a SIGKILL, no clean-up
             if cfg.patience is not None and self.stale_epochs >= cfg.patience:
                 if self.rank == 0:
-                    logger.info("early stop at epoch %d: val balanced accuracy has not improved for %d epochs", epoch, cfg.patience)
+                    logger.info(
+                        "early stop at epoch %d: val balanced accuracy has not improved for %d epochs",
+                        epoch,
+                        cfg.patience,
+                    )
                 break
         if bar is not None:
             bar.close()
@@ -301,23 +365,38 @@ class Trainer:
             "mean_imbalance_ratio": float(np.mean([e["imbalance_ratio"] for e in epochs])) if epochs else 1.0,
         }
         counts = self.counts.astype(np.float64)
-        headline = {split: {k: m[k] for k in ("balanced_accuracy", "macro_f1", "accuracy")} for split, m in metrics.items()}
+        headline = {
+            split: {k: m[k] for k in ("balanced_accuracy", "macro_f1", "accuracy")}
+            for split, m in metrics.items()
+        }
         metadata = {
             "format_version": FORMAT_VERSION,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "model": {"family": "mlp", "hyperparameters": self.spec.model_dump()},
             "inputs": [{"name": n, "dtype": "float32"} for n in self.data.feature_names],
-            "normalisation": {"mean": self.model.feature_mean.tolist(), "std": self.model.feature_std.tolist()},
+            "normalisation": {
+                "mean": self.model.feature_mean.tolist(),
+                "std": self.model.feature_std.tolist(),
+            },
             "classes": self.data.classes,
             "class_counts": [int(c) for c in counts],
             "class_priors": (counts / counts.sum()).tolist(),
             "metrics": headline,
             "provenance": {
-                "data_dir": str(self.cfg.data_dir), "data_hash": self.data.data_hash, "seed": self.cfg.seed,
-                "world_size": self.world, "precision": self.cfg.precision, "loss": self.cfg.loss, "tau": self.cfg.tau,
-                "sampler_q": self.cfg.sampler_q, "speed_balance": self.cfg.speed_balance,
-                "global_batch_size": self.cfg.global_batch_size, "lr": self.cfg.lr, "torch": torch.__version__,
-            } | summary,
+                "data_dir": str(self.cfg.data_dir),
+                "data_hash": self.data.data_hash,
+                "seed": self.cfg.seed,
+                "world_size": self.world,
+                "precision": self.cfg.precision,
+                "loss": self.cfg.loss,
+                "tau": self.cfg.tau,
+                "sampler_q": self.cfg.sampler_q,
+                "speed_balance": self.cfg.speed_balance,
+                "global_batch_size": self.cfg.global_batch_size,
+                "lr": self.cfg.lr,
+                "torch": torch.__version__,
+            }
+            | summary,
         }
         write_artifact(self.cfg.out_dir, self.model, metadata, metrics, self.data.classes)
         return metadata
@@ -331,7 +410,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="skewserve training worker (launched by `skewserve train`)")
     parser.add_argument("--config", required=True, help="TrainConfig as JSON")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s rank" + os.environ.get("RANK", "0") + " %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s rank" + os.environ.get("RANK", "0") + " %(name)s: %(message)s",
+    )
     cfg = TrainConfig.model_validate(json.loads(open(args.config).read()))
     run(cfg)
 

@@ -26,7 +26,12 @@ def _metric_names() -> set[str]:
     from gateway.core import Gateway
 
     async def render() -> str:
-        gw = Gateway(GatewayConfig(home_region="a", regions=[{"name": "a", "servers": [{"name": "s", "http": "h:1", "grpc": "h:2"}]}]))
+        gw = Gateway(
+            GatewayConfig(
+                home_region="a",
+                regions=[{"name": "a", "servers": [{"name": "s", "http": "h:1", "grpc": "h:2"}]}],
+            )
+        )
         text = gw.metrics.render().decode()
         await gw.stop()
         return text
@@ -38,14 +43,24 @@ def _metric_names() -> set[str]:
 def test_prometheus_rules_check_and_unit_tests_pass() -> None:
     promtool = shutil.which("promtool")
     assert promtool, "promtool is required (make setup installs Debian's prometheus package)"
-    subprocess.run([promtool, "check", "rules", "rules.yml"], cwd=DEPLOY / "prometheus", check=True, capture_output=True)
-    res = subprocess.run([promtool, "test", "rules", "rules_test.yml"], cwd=DEPLOY / "prometheus", capture_output=True, text=True)
+    subprocess.run(
+        [promtool, "check", "rules", "rules.yml"], cwd=DEPLOY / "prometheus", check=True, capture_output=True
+    )
+    res = subprocess.run(
+        [promtool, "test", "rules", "rules_test.yml"],
+        cwd=DEPLOY / "prometheus",
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_rules_and_dashboard_only_use_metrics_the_gateway_exports() -> None:
     exported = _metric_names()
-    texts = [(DEPLOY / "prometheus" / "rules.yml").read_text(), (DEPLOY / "grafana" / "skewserve-gateway.json").read_text()]
+    texts = [
+        (DEPLOY / "prometheus" / "rules.yml").read_text(),
+        (DEPLOY / "grafana" / "skewserve-gateway.json").read_text(),
+    ]
     used = {m.group(1) for t in texts for m in METRIC.finditer(t)}
     counters = {n.removesuffix("_total") for n in exported}
     unknown = {u for u in used if u not in exported and u.removesuffix("_total") not in counters}
@@ -59,16 +74,29 @@ def test_dashboard_is_valid_grafana_json() -> None:
 
 
 def test_kubernetes_manifests_parse_and_embed_a_valid_gateway_config(tmp_path: Path) -> None:
-    docs = [d for f in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+    docs = [
+        d for f in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d
+    ]
     kinds = {d["kind"] for d in docs}
-    assert {"Deployment", "StatefulSet", "Service", "ConfigMap", "PodDisruptionBudget", "HorizontalPodAutoscaler"} <= kinds
+    assert {
+        "Deployment",
+        "StatefulSet",
+        "Service",
+        "ConfigMap",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+    } <= kinds
     for d in docs:
         assert d["apiVersion"] and d["metadata"]["name"]
     config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["gateway.yaml"]
-    (tmp_path / "gw.yaml").write_text(config.replace("set-by-env-SKEWSERVE_GATEWAY_CACHE__HMAC_SECRET", "x" * 32))
+    (tmp_path / "gw.yaml").write_text(
+        config.replace("set-by-env-SKEWSERVE_GATEWAY_CACHE__HMAC_SECRET", "x" * 32)
+    )
     cfg = load_gateway_config(tmp_path / "gw.yaml")
     assert cfg.home_region == "us-east" and cfg.cache.backend == "redis"
-    gateway = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "skewserve-gateway")
+    gateway = next(
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "skewserve-gateway"
+    )
     grace = gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > cfg.drain.grace_s + cfg.drain.timeout_s
 

@@ -33,7 +33,11 @@ def _rows(n: int, seed: int = 0) -> np.ndarray:
 def _reference(artifact: Path, x: np.ndarray) -> dict[str, np.ndarray]:
     model, _ = load_model(artifact)
     logits, probs, label = ServingModule(model)(torch.from_numpy(x))
-    return {"logits": logits.detach().numpy(), "probabilities": probs.detach().numpy(), "label": label.numpy()}
+    return {
+        "logits": logits.detach().numpy(),
+        "probabilities": probs.detach().numpy(),
+        "label": label.numpy(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,9 @@ def served(small_artifact: Path, tmp_path_factory: pytest.TempPathFactory, prepa
     repo = tmp_path_factory.mktemp("repo")
     export_artifact(small_artifact, repo, "lt", tensorrt="off")
     export_artifact(small_artifact, repo, "lt16", precision="fp16", tensorrt="off")
-    server = TritonServer(TritonServerSpec(repository=repo, name="exp"), tmp_path_factory.mktemp("logs"), prepared_triton)
+    server = TritonServer(
+        TritonServerSpec(repository=repo, name="exp"), tmp_path_factory.mktemp("logs"), prepared_triton
+    )
     with server:
         yield server, repo
 
@@ -105,8 +111,16 @@ def load_model_classes(repo: Path) -> list[str]:
 
 def test_config_options_reach_the_config() -> None:
     contract = ServingContract(n_features=3, classes=("a", "b"), feature_names=("x", "y", "z"))
-    opts = ConfigOptions(max_batch_size=16, preferred_batch_sizes=[4, 32], max_queue_delay_us=250, gpu_instances=2,
-                         keep_versions=3, response_cache=True, warmup_batch=4, ort_threads=2)
+    opts = ConfigOptions(
+        max_batch_size=16,
+        preferred_batch_sizes=[4, 32],
+        max_queue_delay_us=250,
+        gpu_instances=2,
+        keep_versions=3,
+        response_cache=True,
+        warmup_batch=4,
+        ort_threads=2,
+    )
     gpu = parse(render(gpu_config("m", contract, opts, tensorrt_plan=True)))
     assert gpu.platform == "tensorrt_plan" and gpu.default_model_filename == "model.plan"
     assert gpu.max_batch_size == 16 and list(gpu.dynamic_batching.preferred_batch_size) == [4]
@@ -126,21 +140,27 @@ def test_parity_failure_refuses_with_figures(small_artifact: Path) -> None:
         return out | {"probabilities": out["probabilities"] + 1e-3}
 
     report = compare(ref, skewed, [_rows(4)], "onnxruntime", "fp32")
-    with pytest.raises(ParityError, match=r"parity failed for onnxruntime fp32: max \|Δp\| 1.00e-03 \(limit 1e-04\)"):
+    with pytest.raises(
+        ParityError, match=r"parity failed for onnxruntime fp32: max \|Δp\| 1.00e-03 \(limit 1e-04\)"
+    ):
         require(report)
 
 
 def test_versions_are_immutable_and_numbered(small_artifact: Path, tmp_path: Path) -> None:
     assert export_artifact(small_artifact, tmp_path, "m", tensorrt="off").published.version == 1
     assert export_artifact(small_artifact, tmp_path, "m", version=5, tensorrt="off").published.version == 5
-    with pytest.raises(PublishError, match="m version 5 already exists; versions are immutable: omit --version to take 6"):
+    with pytest.raises(
+        PublishError, match="m version 5 already exists; versions are immutable: omit --version to take 6"
+    ):
         export_artifact(small_artifact, tmp_path, "m", version=5, tensorrt="off")
     assert export_artifact(small_artifact, tmp_path, "m", tensorrt="off").published.version == 6
 
 
 def test_killed_export_leaves_no_visible_version(small_artifact: Path, tmp_path: Path) -> None:
     script = f"from exporter.pipeline import export_artifact; export_artifact({str(small_artifact)!r}, {str(tmp_path)!r}, 'm', tensorrt='off')"
-    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, FAULT_ENV: "before-publish"}, capture_output=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env={**os.environ, FAULT_ENV: "before-publish"}, capture_output=True
+    )
     assert proc.returncode == 137
     model_dir = tmp_path / "m"
     assert [p.name for p in model_dir.iterdir() if p.name.startswith(".tmp-")], "staging folder should remain"
@@ -150,9 +170,23 @@ def test_killed_export_leaves_no_visible_version(small_artifact: Path, tmp_path:
 
 
 def test_concurrent_exports_take_distinct_versions(small_artifact: Path, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "skewserve.cli", "export", "--artifact", str(small_artifact), "--repo", str(tmp_path),
-           "--name", "m", "--tensorrt", "off"]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(3)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "skewserve.cli",
+        "export",
+        "--artifact",
+        str(small_artifact),
+        "--repo",
+        str(tmp_path),
+        "--name",
+        "m",
+        "--tensorrt",
+        "off",
+    ]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(3)
+    ]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert published_versions(tmp_path / "m") == [1, 2, 3]
@@ -168,7 +202,10 @@ def test_tensorrt_on_without_gpu_is_a_clear_error(small_artifact: Path, tmp_path
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(tensorrt_unavailable_reason() is not None, reason=f"TensorRT path needs a CUDA GPU: {tensorrt_unavailable_reason()}")
+@pytest.mark.skipif(
+    tensorrt_unavailable_reason() is not None,
+    reason=f"TensorRT path needs a CUDA GPU: {tensorrt_unavailable_reason()}",
+)
 def test_tensorrt_plan_builds_and_matches_onnxruntime(small_artifact: Path, tmp_path: Path) -> None:
     result = export_artifact(small_artifact, tmp_path, "m", precision="fp16", tensorrt="on")
     assert result.tensorrt and (result.published.path / "model.plan").is_file()

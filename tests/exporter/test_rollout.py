@@ -23,7 +23,10 @@ def test_rollout_with_live_traffic_then_broken_version_rolls_back(
 ) -> None:
     repo = tmp_path / "repo"
     export_artifact(small_artifact, repo, "lt", tensorrt="off")
-    specs = [TritonServerSpec(repository=repo, name=f"s{i}", model_control_mode="explicit", load_models=("lt",)) for i in range(2)]
+    specs = [
+        TritonServerSpec(repository=repo, name=f"s{i}", model_control_mode="explicit", load_models=("lt",))
+        for i in range(2)
+    ]
     servers = [TritonServer(s, tmp_path / "logs", prepared_triton) for s in specs]
     for s in servers:
         s.start()
@@ -69,7 +72,9 @@ def test_rollout_with_live_traffic_then_broken_version_rolls_back(
         inp = httpclient.InferInput("features", list(x.shape), "FP32")
         inp.set_data_from_numpy(x)
         c0.infer("lt", [inp])  # still serving
-        assert not httpclient.InferenceServerClient(servers[1].http_address).is_model_ready("lt", "3")  # never reached
+        assert not httpclient.InferenceServerClient(servers[1].http_address).is_model_ready(
+            "lt", "3"
+        )  # never reached
     finally:
         for s in servers:
             s.stop()

@@ -3,30 +3,33 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from skewserve.gateway_process import GatewayProcess, start_gateway_process
 from skewserve.ports import free_port
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
 
 
-def start_fleet(repo: Path, layout: dict[str, int], log_dir: Path, prepared: PreparedTriton, **spec: Any) -> dict[str, list[TritonServer]]:
+def start_fleet(
+    repo: Path, layout: dict[str, int], log_dir: Path, prepared: PreparedTriton, **spec: Any
+) -> dict[str, list[TritonServer]]:
     fleet: dict[str, list[TritonServer]] = {}
     for region, n in layout.items():
         for i in range(n):
-            server = TritonServer(TritonServerSpec(repository=repo, region=region, name=f"{region}-{i}", **spec), log_dir, prepared)
+            server = TritonServer(
+                TritonServerSpec(repository=repo, region=region, name=f"{region}-{i}", **spec),
+                log_dir,
+                prepared,
+            )
             fleet.setdefault(region, []).append(server)
     started = []
     try:
@@ -42,16 +45,22 @@ def start_fleet(repo: Path, layout: dict[str, int], log_dir: Path, prepared: Pre
 
 
 @pytest.fixture(scope="module")
-def fleet(gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton) -> Iterator[dict[str, list[TritonServer]]]:
+def fleet(
+    gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton
+) -> Iterator[dict[str, list[TritonServer]]]:
     """2 regions x 2 servers, shared by the tests that do not harm servers."""
-    f = start_fleet(gateway_repo, {"us-east": 2, "eu-west": 2}, tmp_path_factory.mktemp("fleet_logs"), prepared_triton)
+    f = start_fleet(
+        gateway_repo, {"us-east": 2, "eu-west": 2}, tmp_path_factory.mktemp("fleet_logs"), prepared_triton
+    )
     yield f
     for servers in f.values():
         for s in servers:
             s.stop()
 
 
-def gateway_config(fleet: dict[str, list[TritonServer]], home: str = "us-east", **overrides: Any) -> dict[str, Any]:
+def gateway_config(
+    fleet: dict[str, list[TritonServer]], home: str = "us-east", **overrides: Any
+) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "home_region": home,
         "listen": {"host": "127.0.0.1", "http_port": free_port(), "grpc_port": free_port()},
@@ -60,7 +69,12 @@ def gateway_config(fleet: dict[str, list[TritonServer]], home: str = "us-east", 
         "cache": {"backend": "memory", "models": ["lt"], "ttl_s": 60},
         "drain": {"grace_s": 0.5, "timeout_s": 5},
         "regions": [
-            {"name": region, "servers": [{"name": s.spec.name, "http": s.http_address, "grpc": s.grpc_address} for s in servers]}
+            {
+                "name": region,
+                "servers": [
+                    {"name": s.spec.name, "http": s.http_address, "grpc": s.grpc_address} for s in servers
+                ],
+            }
             for region, servers in fleet.items()
         ],
     }
@@ -72,20 +86,8 @@ def gateway_config(fleet: dict[str, list[TritonServer]], home: str = "us-east", 
     return cfg
 
 
-@dataclass
-class GatewayProcess:
-    proc: subprocess.Popen[bytes]
-    http_port: int
-    grpc_port: int
-    log_path: Path
-
-    @property
-    def http(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+class GatewayUnderTest(GatewayProcess):
+    """A gateway process plus the admin/metrics reads tests make."""
 
     def admin(self) -> dict[str, Any]:
         import urllib.request
@@ -102,41 +104,20 @@ class GatewayProcess:
     def server(self, name: str) -> dict[str, Any]:
         return next(s for s in self.admin()["servers"] if s["name"] == name)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
-
-def launch_gateway(cfg: dict[str, Any], workdir: Path, env: dict[str, str] | None = None) -> GatewayProcess:
+def launch_gateway(cfg: dict[str, Any], workdir: Path, env: dict[str, str] | None = None) -> GatewayUnderTest:
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / f"gateway-{cfg['listen']['http_port']}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    ready = path.with_suffix(".ready")
-    log = path.with_suffix(".log")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path), "--ready-file", str(ready)],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})  # noqa: SIM115
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"gateway exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        if ready.exists() and ready.read_text().strip():
-            ports = json.loads(ready.read_text())
-            return GatewayProcess(proc, ports["http_port"], ports["grpc_port"], log)
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"gateway not ready in 60s: {log.read_text()[-2000:]}")
+    gw = start_gateway_process(path, path.with_suffix(".log"), env=env)
+    return GatewayUnderTest(gw.proc, gw.host, gw.http_port, gw.grpc_port, gw.log_path)
 
 
 @pytest.fixture()
-def make_gateway(tmp_path: Path) -> Iterator[Callable[..., GatewayProcess]]:
-    started: list[GatewayProcess] = []
+def make_gateway(tmp_path: Path) -> Iterator[Callable[..., GatewayUnderTest]]:
+    started: list[GatewayUnderTest] = []
 
-    def make(cfg: dict[str, Any], env: dict[str, str] | None = None) -> GatewayProcess:
+    def make(cfg: dict[str, Any], env: dict[str, str] | None = None) -> GatewayUnderTest:
         gw = launch_gateway(cfg, tmp_path, env)
         started.append(gw)
         return gw
@@ -147,7 +128,9 @@ def make_gateway(tmp_path: Path) -> Iterator[Callable[..., GatewayProcess]]:
 
 
 @pytest.fixture(scope="module")
-def shared_gateway(fleet: dict[str, list[TritonServer]], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+def shared_gateway(
+    fleet: dict[str, list[TritonServer]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayUnderTest]:
     gw = launch_gateway(gateway_config(fleet), tmp_path_factory.mktemp("gw"))
     yield gw
     gw.stop()
@@ -159,8 +142,23 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     assert binary, "redis-server is required (make setup installs it)"
     port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     import redis
 
     client = redis.Redis(port=port)

@@ -17,7 +17,9 @@ from tests.gateway.conftest import gateway_config, wait_until
 
 ADMIN_KEY = "sk-admin-7f3a9c2e51"
 LIMITED_KEY = "sk-limited-0b8d4e6f"
-BODY = json.dumps({"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.25] * 8}]}).encode()
+BODY = json.dumps(
+    {"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.25] * 8}]}
+).encode()
 
 
 def _post(address: str, model: str, body: bytes = BODY, **headers: str) -> tuple[int, dict, dict]:
@@ -31,11 +33,21 @@ def _post(address: str, model: str, body: bytes = BODY, **headers: str) -> tuple
 
 @pytest.fixture()
 def secured(fleet, make_gateway):
-    auth = {"keys": [
-        {"name": "admin", "sha256": hash_key(ADMIN_KEY)},
-        {"name": "limited", "sha256": hash_key(LIMITED_KEY), "models": ["lt_nocache"], "rate_per_s": 0.5, "burst": 1},
-    ]}
-    return make_gateway(gateway_config(fleet, auth=auth, limits={"max_request_bytes": 2000, "max_batch_size": 2}))
+    auth = {
+        "keys": [
+            {"name": "admin", "sha256": hash_key(ADMIN_KEY)},
+            {
+                "name": "limited",
+                "sha256": hash_key(LIMITED_KEY),
+                "models": ["lt_nocache"],
+                "rate_per_s": 0.5,
+                "burst": 1,
+            },
+        ]
+    }
+    return make_gateway(
+        gateway_config(fleet, auth=auth, limits={"max_request_bytes": 2000, "max_batch_size": 2})
+    )
 
 
 def test_missing_and_wrong_keys_are_401(secured) -> None:
@@ -51,7 +63,9 @@ def test_missing_and_wrong_keys_are_401(secured) -> None:
     with pytest.raises(InferenceServerException) as info:
         client.infer("lt_nocache", [inp])
     assert info.value.status() == "StatusCode.UNAUTHENTICATED"
-    assert client.infer("lt_nocache", [inp], headers={"authorization": f"Bearer {ADMIN_KEY}"}).as_numpy("label").shape == (1, 1)
+    assert client.infer("lt_nocache", [inp], headers={"authorization": f"Bearer {ADMIN_KEY}"}).as_numpy(
+        "label"
+    ).shape == (1, 1)
 
 
 def test_model_outside_the_keys_list_is_403(secured) -> None:
@@ -67,10 +81,14 @@ def test_rate_limit_is_429_with_retry_after(secured) -> None:
 
 
 def test_too_large_is_413_and_too_big_a_batch_is_400(secured) -> None:
-    big = json.dumps({"inputs": [{"name": "features", "shape": [40, 8], "datatype": "FP32", "data": [0.25] * 320}]}).encode()
+    big = json.dumps(
+        {"inputs": [{"name": "features", "shape": [40, 8], "datatype": "FP32", "data": [0.25] * 320}]}
+    ).encode()
     status, _, body = _post(secured.http, "lt_nocache", big, **{"x-api-key": ADMIN_KEY})
     assert status == 413 and "exceeds the limit of 2000" in body["error"]
-    batch = json.dumps({"inputs": [{"name": "features", "shape": [3, 8], "datatype": "FP32", "data": [0.25] * 24}]}).encode()
+    batch = json.dumps(
+        {"inputs": [{"name": "features", "shape": [3, 8], "datatype": "FP32", "data": [0.25] * 24}]}
+    ).encode()
     status, _, body = _post(secured.http, "lt_nocache", batch, **{"x-api-key": ADMIN_KEY})
     assert (status, body["error"]) == (400, "input 'features' has batch size 3, above the gateway limit of 2")
 
@@ -88,7 +106,10 @@ def test_global_inflight_limit_sheds_with_503(fleet, make_gateway) -> None:
     gw = make_gateway(gateway_config(fleet, limits={"max_inflight": 1}))
     # Hold one request in flight: send its head and half its body, then stop.
     held = socket.create_connection(("127.0.0.1", gw.http_port))
-    held.sendall(b"POST /v2/models/lt_nocache/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY[:10])
+    held.sendall(
+        b"POST /v2/models/lt_nocache/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(BODY)
+        + BODY[:10]
+    )
     try:
         wait_until(lambda: gw.admin()["inflight"] == 1, what="the held request to be in flight")
         status, _, body = _post(gw.http, "lt_nocache")

@@ -30,10 +30,16 @@ def _infer(address: str, x: np.ndarray, model: str = "lt") -> tuple[httpclient.I
     return result, None
 
 
-def _cache_header(address: str, x: np.ndarray, model: str = "lt", request_id: str | None = None) -> tuple[str | None, dict]:
+def _cache_header(
+    address: str, x: np.ndarray, model: str = "lt", request_id: str | None = None
+) -> tuple[str | None, dict]:
     import json
 
-    body: dict = {"inputs": [{"name": "features", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
+    body: dict = {
+        "inputs": [
+            {"name": "features", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}
+        ]
+    }
     if request_id:
         body["id"] = request_id
     req = urllib.request.Request(f"http://{address}/v2/models/{model}/infer", data=json.dumps(body).encode())
@@ -70,10 +76,14 @@ def test_clients_asking_for_gzip_share_entries_with_everyone(shared_gateway) -> 
     import json
 
     x = _row(150)
-    body = json.dumps({"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": x.ravel().tolist()}]}).encode()
+    body = json.dumps(
+        {"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": x.ravel().tolist()}]}
+    ).encode()
     states = []
     for _ in range(2):
-        req = urllib.request.Request(f"http://{shared_gateway.http}/v2/models/lt/infer", data=body, headers={"Accept-Encoding": "gzip"})
+        req = urllib.request.Request(
+            f"http://{shared_gateway.http}/v2/models/lt/infer", data=body, headers={"Accept-Encoding": "gzip"}
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             states.append(r.headers["x-skewserve-cache"])
             assert json.loads(r.read())["model_name"] == "lt"
@@ -84,7 +94,9 @@ def test_clients_asking_for_gzip_share_entries_with_everyone(shared_gateway) -> 
 def test_errors_are_never_cached(shared_gateway) -> None:
     import json
 
-    bad = json.dumps({"inputs": [{"name": "features", "shape": [1, 3], "datatype": "FP32", "data": [0.0] * 3}]}).encode()
+    bad = json.dumps(
+        {"inputs": [{"name": "features", "shape": [1, 3], "datatype": "FP32", "data": [0.0] * 3}]}
+    ).encode()
     before = shared_gateway.admin()["cache_bytes"]
     for _ in range(2):
         req = urllib.request.Request(f"http://{shared_gateway.http}/v2/models/lt/infer", data=bad)
@@ -140,12 +152,22 @@ def test_identical_concurrent_requests_reach_triton_once(fleet, make_gateway) ->
     assert all(np.array_equal(r, results[0]) for r in results)
     assert _success_count(fleet, "lt") - before == 1
     text = gw.metrics()
-    hits = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith('skewserve_gateway_cache_requests_total{model="lt",result="hit"}'))
-    coalesced = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith('skewserve_gateway_coalesced_requests_total{model="lt"}'))
+    hits = sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith('skewserve_gateway_cache_requests_total{model="lt",result="hit"}')
+    )
+    coalesced = sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith('skewserve_gateway_coalesced_requests_total{model="lt"}')
+    )
     assert hits + coalesced == n - 1
 
 
-def test_redis_is_shared_by_two_gateways_and_tampering_is_rejected(fleet, make_gateway, redis_url: str) -> None:
+def test_redis_is_shared_by_two_gateways_and_tampering_is_rejected(
+    fleet, make_gateway, redis_url: str
+) -> None:
     cache = {"backend": "redis", "redis_url": redis_url, "hmac_secret": SECRET, "namespace": "t1"}
     gw1 = make_gateway(gateway_config(fleet, cache=cache))
     gw2 = make_gateway(gateway_config(fleet, cache=cache))
@@ -168,11 +190,19 @@ def test_redis_is_shared_by_two_gateways_and_tampering_is_rejected(fleet, make_g
 
 
 @pytest.mark.slow
-def test_new_model_version_is_never_served_a_stale_entry(gateway_repo: Path, small_artifact: Path, tmp_path: Path,
-                                                         prepared_triton, make_gateway) -> None:
+def test_new_model_version_is_never_served_a_stale_entry(
+    gateway_repo: Path, small_artifact: Path, tmp_path: Path, prepared_triton, make_gateway
+) -> None:
     repo = tmp_path / "repo"
     shutil.copytree(gateway_repo / "lt", repo / "lt")
-    fleet = start_fleet(repo, {"us-east": 1}, tmp_path / "logs", prepared_triton, model_control_mode="explicit", load_models=("lt",))
+    fleet = start_fleet(
+        repo,
+        {"us-east": 1},
+        tmp_path / "logs",
+        prepared_triton,
+        model_control_mode="explicit",
+        load_models=("lt",),
+    )
     try:
         gw = make_gateway(gateway_config(fleet))
         x = _row(500)
@@ -181,7 +211,9 @@ def test_new_model_version_is_never_served_a_stale_entry(gateway_repo: Path, sma
         assert state == "hit" and body["model_version"] == "1"
         export_artifact(small_artifact, repo, "lt", tensorrt="off")
         httpclient.InferenceServerClient(fleet["us-east"][0].http_address).load_model("lt")
-        wait_until(lambda: "2" in gw.server("us-east-0")["models"].get("lt", []), what="gateway to see version 2")
+        wait_until(
+            lambda: "2" in gw.server("us-east-0")["models"].get("lt", []), what="gateway to see version 2"
+        )
         state, body = _cache_header(gw.http, x)
         assert state == "miss" and body["model_version"] == "2"
         state, body = _cache_header(gw.http, x)

@@ -20,7 +20,9 @@ def _http_infer(address: str, model: str, binary: bool, x: np.ndarray = X, **kw)
     client = httpclient.InferenceServerClient(address)
     inp = httpclient.InferInput("features", list(x.shape), "FP32")
     inp.set_data_from_numpy(x, binary_data=binary)
-    outs = [httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("logits", "probabilities", "label")]
+    outs = [
+        httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("logits", "probabilities", "label")
+    ]
     return client.infer(model, [inp], outputs=outs, **kw)
 
 
@@ -47,8 +49,11 @@ def test_results_equal_direct_for_http_json_binary_and_grpc(fleet, shared_gatewa
 
 
 def _http_error(address: str, body: dict, model: str = "lt") -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://{address}/v2/models/{model}/infer", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{address}/v2/models/{model}/infer",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         urllib.request.urlopen(req, timeout=10)
     except urllib.error.HTTPError as exc:
@@ -57,16 +62,27 @@ def _http_error(address: str, body: dict, model: str = "lt") -> tuple[int, dict]
 
 
 BAD_REQUESTS = {
-    "unknown model": ({"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.0] * 8}]}, "nope"),
-    "bad shape": ({"inputs": [{"name": "features", "shape": [1, 3], "datatype": "FP32", "data": [0.0] * 3}]}, "lt_nocache"),
-    "bad datatype": ({"inputs": [{"name": "features", "shape": [1, 8], "datatype": "INT32", "data": [0] * 8}]}, "lt_nocache"),
+    "unknown model": (
+        {"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.0] * 8}]},
+        "nope",
+    ),
+    "bad shape": (
+        {"inputs": [{"name": "features", "shape": [1, 3], "datatype": "FP32", "data": [0.0] * 3}]},
+        "lt_nocache",
+    ),
+    "bad datatype": (
+        {"inputs": [{"name": "features", "shape": [1, 8], "datatype": "INT32", "data": [0] * 8}]},
+        "lt_nocache",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
 def test_http_error_parity_with_triton(fleet, shared_gateway, case: str) -> None:
     body, model = BAD_REQUESTS[case]
-    assert _http_error(shared_gateway.http, body, model) == _http_error(fleet["us-east"][0].http_address, body, model)
+    assert _http_error(shared_gateway.http, body, model) == _http_error(
+        fleet["us-east"][0].http_address, body, model
+    )
 
 
 def test_grpc_error_parity_with_triton(fleet, shared_gateway) -> None:
@@ -103,31 +119,53 @@ def test_classification_extension_through_gateway(fleet, shared_gateway) -> None
         client = httpclient.InferenceServerClient(address)
         inp = httpclient.InferInput("features", list(X.shape), "FP32")
         inp.set_data_from_numpy(X)
-        out = client.infer("lt_nocache", [inp], outputs=[httpclient.InferRequestedOutput("probabilities", class_count=1)])
+        out = client.infer(
+            "lt_nocache", [inp], outputs=[httpclient.InferRequestedOutput("probabilities", class_count=1)]
+        )
         labels = [row[0].decode().split(":")[2] for row in out.as_numpy("probabilities")]
         assert all(label.startswith("class_") for label in labels)
 
 
 def test_repository_and_admin_apis_of_triton_are_not_reachable(shared_gateway) -> None:
-    for method, path in (("POST", "/v2/repository/index"), ("POST", "/v2/repository/models/lt/load"),
-                         ("POST", "/v2/repository/models/lt/unload"), ("GET", "/v2/systemsharedmemory/status"),
-                         ("GET", "/v2/cudasharedmemory/status"), ("GET", "/v2/trace/setting"), ("GET", "/v2/logging")):
-        req = urllib.request.Request(f"http://{shared_gateway.http}{path}", data=b"{}" if method == "POST" else None, method=method)
+    for method, path in (
+        ("POST", "/v2/repository/index"),
+        ("POST", "/v2/repository/models/lt/load"),
+        ("POST", "/v2/repository/models/lt/unload"),
+        ("GET", "/v2/systemsharedmemory/status"),
+        ("GET", "/v2/cudasharedmemory/status"),
+        ("GET", "/v2/trace/setting"),
+        ("GET", "/v2/logging"),
+    ):
+        req = urllib.request.Request(
+            f"http://{shared_gateway.http}{path}", data=b"{}" if method == "POST" else None, method=method
+        )
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=5)
         assert info.value.code == 404
         assert "is not served by the gateway" in json.loads(info.value.read())["error"]
     client = grpcclient.InferenceServerClient(shared_gateway.grpc)
-    for call in (client.get_model_repository_index, lambda: client.load_model("lt"), lambda: client.unload_model("lt"),
-                 client.get_system_shared_memory_status, client.get_trace_settings, client.get_log_settings):
+    for call in (
+        client.get_model_repository_index,
+        lambda: client.load_model("lt"),
+        lambda: client.unload_model("lt"),
+        client.get_system_shared_memory_status,
+        client.get_trace_settings,
+        client.get_log_settings,
+    ):
         with pytest.raises(InferenceServerException) as info:
             call()
         assert info.value.status() == "StatusCode.UNIMPLEMENTED"
 
 
 def test_request_id_is_passed_through_or_generated(shared_gateway) -> None:
-    body = json.dumps({"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.5] * 8}]}).encode()
-    req = urllib.request.Request(f"http://{shared_gateway.http}/v2/models/lt_nocache/infer", data=body, headers={"x-request-id": "abc-123"})
+    body = json.dumps(
+        {"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.5] * 8}]}
+    ).encode()
+    req = urllib.request.Request(
+        f"http://{shared_gateway.http}/v2/models/lt_nocache/infer",
+        data=body,
+        headers={"x-request-id": "abc-123"},
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.headers["x-request-id"] == "abc-123"
         assert r.headers["x-skewserve-region"] == "us-east"
@@ -150,8 +188,14 @@ def test_region_pin_is_honoured(shared_gateway) -> None:
     for region in ("eu-west", "us-east"):
         res = _http_infer(shared_gateway.http, "lt_nocache", True, headers={"x-skewserve-region": region})
         assert res.get_response()["model_name"] == "lt_nocache"
-        body = json.dumps({"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.1] * 8}]}).encode()
-        req = urllib.request.Request(f"http://{shared_gateway.http}/v2/models/lt_nocache/infer", data=body, headers={"x-skewserve-region": region})
+        body = json.dumps(
+            {"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.1] * 8}]}
+        ).encode()
+        req = urllib.request.Request(
+            f"http://{shared_gateway.http}/v2/models/lt_nocache/infer",
+            data=body,
+            headers={"x-skewserve-region": region},
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.headers["x-skewserve-region"] == region
     with pytest.raises(InferenceServerException, match="pinned region 'mars' does not exist"):
@@ -161,7 +205,13 @@ def test_region_pin_is_honoured(shared_gateway) -> None:
 def test_metrics_are_exported(shared_gateway) -> None:
     _http_infer(shared_gateway.http, "lt_nocache", True)
     text = shared_gateway.metrics()
-    for name in ("skewserve_gateway_requests_total", "skewserve_gateway_request_seconds_bucket", "skewserve_gateway_upstream_seconds",
-                 "skewserve_gateway_region_skew_index", "skewserve_gateway_upstream_inflight", "skewserve_gateway_cache_bytes"):
+    for name in (
+        "skewserve_gateway_requests_total",
+        "skewserve_gateway_request_seconds_bucket",
+        "skewserve_gateway_upstream_seconds",
+        "skewserve_gateway_region_skew_index",
+        "skewserve_gateway_upstream_inflight",
+        "skewserve_gateway_cache_bytes",
+    ):
         assert name in text, name
     assert 'model="lt_nocache",protocol="http",region="us-east"' in text

@@ -24,7 +24,9 @@ X = np.random.default_rng(9).standard_normal((2, 8)).astype(np.float32)
 
 @pytest.fixture(scope="module")
 def fragile_fleet(gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton):
-    f = start_fleet(gateway_repo, {"us-east": 2, "eu-west": 1}, tmp_path_factory.mktemp("fragile"), prepared_triton)
+    f = start_fleet(
+        gateway_repo, {"us-east": 2, "eu-west": 1}, tmp_path_factory.mktemp("fragile"), prepared_triton
+    )
     yield f
     for servers in f.values():
         for s in servers:
@@ -39,13 +41,24 @@ class Load:
         self.failures: list[str] = []
         self.regions: list[str] = []
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._http, args=(http, model)), threading.Thread(target=self._grpc, args=(grpc_address, model))]
+        self.threads = [
+            threading.Thread(target=self._http, args=(http, model)),
+            threading.Thread(target=self._grpc, args=(grpc_address, model)),
+        ]
 
     def _http(self, address: str, model: str) -> None:
-        body = json.dumps({"inputs": [{"name": "features", "shape": [2, 8], "datatype": "FP32", "data": X.ravel().tolist()}]}).encode()
+        body = json.dumps(
+            {
+                "inputs": [
+                    {"name": "features", "shape": [2, 8], "datatype": "FP32", "data": X.ravel().tolist()}
+                ]
+            }
+        ).encode()
         while not self.stop.is_set():
             try:
-                with urllib.request.urlopen(urllib.request.Request(f"http://{address}/v2/models/{model}/infer", data=body), timeout=10) as r:
+                with urllib.request.urlopen(
+                    urllib.request.Request(f"http://{address}/v2/models/{model}/infer", data=body), timeout=10
+                ) as r:
                     self.regions.append(r.headers["x-skewserve-region"])
                     self.ok += 1
             except Exception as exc:
@@ -80,8 +93,14 @@ def _kill(server: TritonServer) -> None:
 
 def _restart_same_ports(server: TritonServer, prepared) -> TritonServer:
     server.stop()
-    spec = TritonServerSpec(**{**server.spec.model_dump(), "http_port": server.http_port, "grpc_port": server.grpc_port,
-                               "metrics_port": server.metrics_port})
+    spec = TritonServerSpec(
+        **{
+            **server.spec.model_dump(),
+            "http_port": server.http_port,
+            "grpc_port": server.grpc_port,
+            "metrics_port": server.metrics_port,
+        }
+    )
     fresh = TritonServer(spec, server.log_dir, prepared)
     deadline = time.monotonic() + 30
     while True:  # the killed process's ports may linger for a moment
@@ -94,7 +113,9 @@ def _restart_same_ports(server: TritonServer, prepared) -> TritonServer:
 
 
 @pytest.mark.slow
-def test_killed_server_under_load_fails_no_request_is_ejected_and_readmitted(fragile_fleet, make_gateway, prepared_triton) -> None:
+def test_killed_server_under_load_fails_no_request_is_ejected_and_readmitted(
+    fragile_fleet, make_gateway, prepared_triton
+) -> None:
     gw = make_gateway(gateway_config(fragile_fleet))
     victim = fragile_fleet["us-east"][0]
     with Load(gw.http, gw.grpc) as load:
@@ -102,7 +123,11 @@ def test_killed_server_under_load_fails_no_request_is_ejected_and_readmitted(fra
         before = load.ok
         _kill(victim)
         killed_at = time.monotonic()
-        wait_until(lambda: not gw.server(victim.spec.name)["available"], timeout=5, what="the dead server to leave rotation")
+        wait_until(
+            lambda: not gw.server(victim.spec.name)["available"],
+            timeout=5,
+            what="the dead server to leave rotation",
+        )
         out_after = time.monotonic() - killed_at
         time.sleep(1.0)
     assert load.failures == [], load.failures[:5]
@@ -112,11 +137,15 @@ def test_killed_server_under_load_fails_no_request_is_ejected_and_readmitted(fra
     assert state["ejections"] >= 1 or not state["healthy"]
 
     fragile_fleet["us-east"][0] = _restart_same_ports(victim, prepared_triton)
-    wait_until(lambda: gw.server(victim.spec.name)["available"], timeout=20, what="re-admission after restart")
+    wait_until(
+        lambda: gw.server(victim.spec.name)["available"], timeout=20, what="re-admission after restart"
+    )
 
 
 @pytest.mark.slow
-def test_spill_over_to_the_other_region_when_home_is_down(fragile_fleet, make_gateway, prepared_triton) -> None:
+def test_spill_over_to_the_other_region_when_home_is_down(
+    fragile_fleet, make_gateway, prepared_triton
+) -> None:
     gw = make_gateway(gateway_config(fragile_fleet))
     home = fragile_fleet["us-east"]
     with Load(gw.http, gw.grpc) as load:
@@ -130,32 +159,56 @@ def test_spill_over_to_the_other_region_when_home_is_down(fragile_fleet, make_ga
     assert 'skewserve_gateway_spillovers_total{from_region="us-east",to_region="eu-west"}' in metrics
     for i, s in enumerate(home):
         home[i] = _restart_same_ports(s, prepared_triton)
-    wait_until(lambda: all(gw.server(s.spec.name)["available"] for s in home), timeout=20, what="home region back")
-    req = urllib.request.Request(f"http://{gw.http}/v2/models/lt_nocache/infer",
-                                 data=json.dumps({"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.0] * 8}]}).encode())
+    wait_until(
+        lambda: all(gw.server(s.spec.name)["available"] for s in home), timeout=20, what="home region back"
+    )
+    req = urllib.request.Request(
+        f"http://{gw.http}/v2/models/lt_nocache/infer",
+        data=json.dumps(
+            {"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.0] * 8}]}
+        ).encode(),
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.headers["x-skewserve-region"] == "us-east"
 
 
-def test_unloaded_model_gets_no_requests_and_pinned_region_without_it_is_503(gateway_repo, tmp_path, prepared_triton, make_gateway) -> None:
-    fleet = start_fleet(gateway_repo, {"us-east": 1, "eu-west": 1}, tmp_path / "logs", prepared_triton,
-                        model_control_mode="explicit", load_models=("lt", "lt_nocache"))
+def test_unloaded_model_gets_no_requests_and_pinned_region_without_it_is_503(
+    gateway_repo, tmp_path, prepared_triton, make_gateway
+) -> None:
+    fleet = start_fleet(
+        gateway_repo,
+        {"us-east": 1, "eu-west": 1},
+        tmp_path / "logs",
+        prepared_triton,
+        model_control_mode="explicit",
+        load_models=("lt", "lt_nocache"),
+    )
     try:
         gw = make_gateway(gateway_config(fleet))
         httpclient.InferenceServerClient(fleet["us-east"][0].http_address).unload_model("lt_nocache")
-        wait_until(lambda: "lt_nocache" not in gw.server("us-east-0")["models"], what="health to see the unload")
+        wait_until(
+            lambda: "lt_nocache" not in gw.server("us-east-0")["models"], what="health to see the unload"
+        )
         client = httpclient.InferenceServerClient(gw.http)
         inp = httpclient.InferInput("features", [2, 8], "FP32")
         inp.set_data_from_numpy(X)
         for _ in range(5):
             client.infer("lt_nocache", [inp])  # all served by eu-west
         assert gw.server("eu-west-0")["requests"] >= 5 and gw.server("us-east-0")["requests"] == 0
-        req = urllib.request.Request(f"http://{gw.http}/v2/models/lt_nocache/infer", headers={"x-skewserve-region": "us-east"},
-                                     data=json.dumps({"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.0] * 8}]}).encode())
+        req = urllib.request.Request(
+            f"http://{gw.http}/v2/models/lt_nocache/infer",
+            headers={"x-skewserve-region": "us-east"},
+            data=json.dumps(
+                {"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.0] * 8}]}
+            ).encode(),
+        )
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=10)
         assert info.value.code == 503
-        assert json.loads(info.value.read())["error"] == "no server in region 'us-east' has model 'lt_nocache' ready"
+        assert (
+            json.loads(info.value.read())["error"]
+            == "no server in region 'us-east' has model 'lt_nocache' ready"
+        )
     finally:
         for servers in fleet.values():
             for s in servers:
@@ -170,6 +223,9 @@ def test_sigterm_drains_not_ready_first_then_exits(fleet, make_gateway) -> None:
     wait_until(lambda: not client.is_server_ready(), timeout=2, what="not-ready after SIGTERM")
     inp = httpclient.InferInput("features", [2, 8], "FP32")
     inp.set_data_from_numpy(X)
-    assert client.infer("lt_nocache", [inp]).as_numpy("label").shape == (2, 1)  # still serving in the grace period
+    assert client.infer("lt_nocache", [inp]).as_numpy("label").shape == (
+        2,
+        1,
+    )  # still serving in the grace period
     assert gw.proc.wait(15) == 0
     assert "draining: reporting not-ready" in gw.log_path.read_text()

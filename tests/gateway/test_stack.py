@@ -20,12 +20,30 @@ from skewserve.stack import StackConfigError, load_stack_config
 @pytest.mark.slow
 def test_up_serves_through_the_gateway_and_stops_everything(gateway_repo: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "stack.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "repository": str(gateway_repo), "regions": {"us-east": 1, "eu-west": 1},
-        "gateway": {"home_region": "eu-west", "listen": {"http_port": 0, "grpc_port": 0}},
-    }))
-    proc = subprocess.Popen([sys.executable, "-m", "skewserve.cli", "up", "--config", str(cfg), "--log-dir", str(tmp_path / "logs")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "repository": str(gateway_repo),
+                "regions": {"us-east": 1, "eu-west": 1},
+                "gateway": {"home_region": "eu-west", "listen": {"http_port": 0, "grpc_port": 0}},
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "skewserve.cli",
+            "up",
+            "--config",
+            str(cfg),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert proc.stdout is not None
     text = ""
     deadline = time.monotonic() + 120
@@ -34,7 +52,9 @@ def test_up_serves_through_the_gateway_and_stops_everything(gateway_repo: Path, 
         if not line:
             break
         text += line
-    m = re.search(r"gateway\s+│\s+eu-west \(home\)\s+│\s+gateway\s+│\s+http://[\d.]+:\d+\s+│\s+([\d.]+:\d+)", text)
+    m = re.search(
+        r"gateway\s+│\s+eu-west \(home\)\s+│\s+gateway\s+│\s+http://[\d.]+:\d+\s+│\s+([\d.]+:\d+)", text
+    )
     assert m, text
     client = grpcclient.InferenceServerClient(m.group(1))
     inp = grpcclient.InferInput("features", [1, 8], "FP32")
@@ -56,5 +76,8 @@ def test_stack_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(StackConfigError, match="regions: each region needs at least one server"):
         load_stack_config(cfg)
     cfg.write_text(yaml.safe_dump({"regions": {"us-east": 1}, "gateway": {"home_region": "mars"}}))
-    with pytest.raises(StackConfigError, match=r"gateway section\): home_region 'mars' is not one of the regions \['us-east'\]"):
+    with pytest.raises(
+        StackConfigError,
+        match=r"gateway section\): home_region 'mars' is not one of the regions \['us-east'\]",
+    ):
         load_stack_config(cfg)

@@ -31,8 +31,12 @@ class FakeClock:
         return self.now
 
 
-def _server(name: str, region: str, clock: FakeClock, models: dict[str, set[str]] | None = None) -> UpstreamServer:
-    s = UpstreamServer(ServerConfig(name=name, http="127.0.0.1:1", grpc="127.0.0.1:2"), region, 2.0, 1.0, clock)
+def _server(
+    name: str, region: str, clock: FakeClock, models: dict[str, set[str]] | None = None
+) -> UpstreamServer:
+    s = UpstreamServer(
+        ServerConfig(name=name, http="127.0.0.1:1", grpc="127.0.0.1:2"), region, 2.0, 1.0, clock
+    )
     s.healthy = True
     s.ready_models = models if models is not None else {"m": {"1"}}
     s.known_models = set(s.ready_models)
@@ -40,8 +44,13 @@ def _server(name: str, region: str, clock: FakeClock, models: dict[str, set[str]
 
 
 def _config(**kw: object) -> GatewayConfig:
-    base = {"home_region": "a", "regions": [{"name": "a", "servers": [{"name": "a0", "http": "h:1", "grpc": "h:2"}]},
-                                            {"name": "b", "servers": [{"name": "b0", "http": "h:3", "grpc": "h:4"}]}]}
+    base = {
+        "home_region": "a",
+        "regions": [
+            {"name": "a", "servers": [{"name": "a0", "http": "h:1", "grpc": "h:2"}]},
+            {"name": "b", "servers": [{"name": "b0", "http": "h:3", "grpc": "h:4"}]},
+        ],
+    }
     return GatewayConfig(**(base | kw))
 
 
@@ -132,15 +141,27 @@ def test_retry_budget_is_a_fraction_of_requests_plus_a_floor() -> None:
 
 
 @settings(max_examples=80, deadline=None)
-@given(model=st.text(min_size=1, max_size=5), version=st.sampled_from(["", "1", "2"]), req=st.binary(max_size=40),
-       tensor=st.binary(max_size=40), field=st.sampled_from(["protocol", "model", "version", "req", "tensor"]))
-def test_cache_key_changes_with_every_part(model: str, version: str, req: bytes, tensor: bytes, field: str) -> None:
+@given(
+    model=st.text(min_size=1, max_size=5),
+    version=st.sampled_from(["", "1", "2"]),
+    req=st.binary(max_size=40),
+    tensor=st.binary(max_size=40),
+    field=st.sampled_from(["protocol", "model", "version", "req", "tensor"]),
+)
+def test_cache_key_changes_with_every_part(
+    model: str, version: str, req: bytes, tensor: bytes, field: str
+) -> None:
     args = {"protocol": "grpc", "model": model, "version": version, "req": req, "tensor": tensor}
     key = cache_key(args["protocol"], args["model"], args["version"], args["req"], args["tensor"])
     assert key == cache_key("grpc", model, version, req, tensor)
     changed = dict(args)
     changed[field] = changed[field] + ("x" if isinstance(changed[field], str) else b"x")  # type: ignore[operator]
-    assert cache_key(changed["protocol"], changed["model"], changed["version"], changed["req"], changed["tensor"]) != key  # type: ignore[arg-type]
+    assert (
+        cache_key(
+            changed["protocol"], changed["model"], changed["version"], changed["req"], changed["tensor"]
+        )
+        != key
+    )  # type: ignore[arg-type]
 
 
 def test_cache_key_parts_cannot_run_into_each_other() -> None:
@@ -196,7 +217,12 @@ def test_auth_keys_models_and_buckets() -> None:
     clock = FakeClock()
     from gateway.config import AuthConfig
 
-    auth = Authenticator(AuthConfig(keys=[{"name": "k", "sha256": hash_key("secret"), "models": ["m"], "rate_per_s": 1, "burst": 2}]), clock)
+    auth = Authenticator(
+        AuthConfig(
+            keys=[{"name": "k", "sha256": hash_key("secret"), "models": ["m"], "rate_per_s": 1, "burst": 2}]
+        ),
+        clock,
+    )
     with pytest.raises(Unauthenticated, match="missing API key"):
         auth.authenticate(None, None)
     with pytest.raises(Unauthenticated, match="invalid API key"):
@@ -218,26 +244,40 @@ def test_auth_keys_models_and_buckets() -> None:
 
 def test_bad_config_names_the_field(tmp_path: Path) -> None:
     path = tmp_path / "gw.yaml"
-    path.write_text("home_region: mars\nregions:\n  - name: earth\n    servers: [{name: s, http: '127.0.0.1:8000', grpc: 'localhost'}]\n")
+    path.write_text(
+        "home_region: mars\nregions:\n  - name: earth\n    servers: [{name: s, http: '127.0.0.1:8000', grpc: 'localhost'}]\n"
+    )
     with pytest.raises(ConfigError, match=r"regions\.0\.servers\.0\.grpc: 'localhost' is not host:port"):
         load_gateway_config(path)
-    path.write_text("home_region: mars\nregions:\n  - name: earth\n    servers: [{name: s, http: '127.0.0.1:8000', grpc: '127.0.0.1:8001'}]\n")
+    path.write_text(
+        "home_region: mars\nregions:\n  - name: earth\n    servers: [{name: s, http: '127.0.0.1:8000', grpc: '127.0.0.1:8001'}]\n"
+    )
     with pytest.raises(ConfigError, match=r"home_region 'mars' is not one of the regions \['earth'\]"):
         load_gateway_config(path)
-    path.write_text("home_region: earth\nretries: {max_attempts: 0}\nregions:\n  - name: earth\n    servers: [{name: s, http: '127.0.0.1:8000', grpc: '127.0.0.1:8001'}]\n")
-    with pytest.raises(ConfigError, match=r"retries\.max_attempts: Input should be greater than or equal to 1 \(got 0\)"):
+    path.write_text(
+        "home_region: earth\nretries: {max_attempts: 0}\nregions:\n  - name: earth\n    servers: [{name: s, http: '127.0.0.1:8000', grpc: '127.0.0.1:8001'}]\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"retries\.max_attempts: Input should be greater than or equal to 1 \(got 0\)"
+    ):
         load_gateway_config(path)
-    path.write_text("home_region: earth\ncache: {backend: redis}\nregions:\n  - name: earth\n    servers: [{name: s, http: '127.0.0.1:8000', grpc: '127.0.0.1:8001'}]\n")
+    path.write_text(
+        "home_region: earth\ncache: {backend: redis}\nregions:\n  - name: earth\n    servers: [{name: s, http: '127.0.0.1:8000', grpc: '127.0.0.1:8001'}]\n"
+    )
     with pytest.raises(ConfigError, match="cache.hmac_secret must be set"):
         load_gateway_config(path)
     with pytest.raises(ConfigError, match="does not exist"):
         load_gateway_config(tmp_path / "missing.yaml")
 
 
-def test_environment_overrides_the_file_and_reaches_the_gateway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_environment_overrides_the_file_and_reaches_the_gateway(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "gw.toml"
-    path.write_text('home_region = "a"\n[[regions]]\nname = "a"\n[[regions.servers]]\nname = "a0"\nhttp = "127.0.0.1:1"\ngrpc = "127.0.0.1:2"\n'
-                    '[[regions]]\nname = "b"\n[[regions.servers]]\nname = "b0"\nhttp = "127.0.0.1:3"\ngrpc = "127.0.0.1:4"\n')
+    path.write_text(
+        'home_region = "a"\n[[regions]]\nname = "a"\n[[regions.servers]]\nname = "a0"\nhttp = "127.0.0.1:1"\ngrpc = "127.0.0.1:2"\n'
+        '[[regions]]\nname = "b"\n[[regions.servers]]\nname = "b0"\nhttp = "127.0.0.1:3"\ngrpc = "127.0.0.1:4"\n'
+    )
     monkeypatch.setenv("SKEWSERVE_GATEWAY_HOME_REGION", "b")
     monkeypatch.setenv("SKEWSERVE_GATEWAY_CACHE__TTL_S", "7.5")
     monkeypatch.setenv("SKEWSERVE_GATEWAY_ROUTING__MAX_INFLIGHT_PER_SERVER", "3")
@@ -255,13 +295,19 @@ def test_environment_overrides_the_file_and_reaches_the_gateway(tmp_path: Path, 
 
     asyncio.run(build())
     monkeypatch.setenv("SKEWSERVE_GATEWAY_LIMITS__MAX_INFLIGHT", "-1")
-    with pytest.raises(ConfigError, match=r"limits\.max_inflight: Input should be greater than or equal to 1"):
+    with pytest.raises(
+        ConfigError, match=r"limits\.max_inflight: Input should be greater than or equal to 1"
+    ):
         load_gateway_config(path)
 
 
 def test_cli_gateway_refuses_bad_config_with_the_field(tmp_path: Path) -> None:
     path = tmp_path / "gw.yaml"
     path.write_text("home_region: a\nregions: []\n")
-    res = subprocess.run([sys.executable, "-m", "skewserve.cli", "gateway", "--config", str(path)], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "skewserve.cli", "gateway", "--config", str(path)],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 2
     assert "regions: List should have at least 1 item" in res.stdout + res.stderr

@@ -15,24 +15,58 @@ from skewserve.stack import LocalStack, StackConfig
 
 @pytest.fixture(scope="module")
 def stack(gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory):
-    cfg = StackConfig(repository=gateway_repo, regions={"us-east": 1, "eu-west": 1},
-                      gateway={"home_region": "us-east", "listen": {"http_port": 0, "grpc_port": 0}, "cache": {"models": ["lt"]}})
+    cfg = StackConfig(
+        repository=gateway_repo,
+        regions={"us-east": 1, "eu-west": 1},
+        gateway={
+            "home_region": "us-east",
+            "listen": {"http_port": 0, "grpc_port": 0},
+            "cache": {"models": ["lt"]},
+        },
+    )
     with LocalStack(cfg, tmp_path_factory.mktemp("stack")) as s:
         yield s
 
 
 def _loadtest(stack: LocalStack, protocol: str, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     target = stack.gateway_grpc if protocol == "grpc" else f"http://{stack.gateway_http}"
-    cmd = [sys.executable, "-m", "skewserve.cli", "loadtest", "--target", target, "--protocol", protocol, "--model", "lt",
-           "--users", "2", "--spawn-rate", "2", "--duration", "3s", "--out", str(out),
-           "--metrics-url", f"http://{stack.gateway_http}/metrics", "--cold-model", "lt_nocache", "--cold-fraction", "0.2",
-           "--regions", "us-east,eu-west", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "skewserve.cli",
+        "loadtest",
+        "--target",
+        target,
+        "--protocol",
+        protocol,
+        "--model",
+        "lt",
+        "--users",
+        "2",
+        "--spawn-rate",
+        "2",
+        "--duration",
+        "3s",
+        "--out",
+        str(out),
+        "--metrics-url",
+        f"http://{stack.gateway_http}/metrics",
+        "--cold-model",
+        "lt_nocache",
+        "--cold-fraction",
+        "0.2",
+        "--regions",
+        "us-east,eu-west",
+        *extra,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["http", "http-binary", "grpc"])
-def test_bounded_run_has_zero_failures_and_writes_reports(stack: LocalStack, tmp_path: Path, protocol: str) -> None:
+def test_bounded_run_has_zero_failures_and_writes_reports(
+    stack: LocalStack, tmp_path: Path, protocol: str
+) -> None:
     res = _loadtest(stack, protocol, tmp_path, "--shape", "ramp")
     assert res.returncode == 0, res.stdout + res.stderr
     with open(tmp_path / "locust_stats.csv", newline="") as f:
@@ -60,6 +94,21 @@ def test_slo_gate_exit_codes(stack: LocalStack, tmp_path: Path) -> None:
 
 
 def test_unreachable_target_is_a_clear_error(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "skewserve.cli", "loadtest", "--target", "http://127.0.0.1:9", "--model", "m",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "skewserve.cli",
+            "loadtest",
+            "--target",
+            "http://127.0.0.1:9",
+            "--model",
+            "m",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "error:" in res.stdout

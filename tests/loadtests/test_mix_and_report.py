@@ -22,7 +22,17 @@ def test_zipf_is_a_decreasing_distribution(keys: int, s: float) -> None:
 
 
 def test_hot_keys_dominate_and_the_cold_model_gets_its_fraction() -> None:
-    mix = RequestMix(MixSettings(model="hot", n_features=4, keys=100, zipf_s=1.2, cold_model="cold", cold_fraction=0.1, regions=("a", "b")))
+    mix = RequestMix(
+        MixSettings(
+            model="hot",
+            n_features=4,
+            keys=100,
+            zipf_s=1.2,
+            cold_model="cold",
+            cold_fraction=0.1,
+            regions=("a", "b"),
+        )
+    )
     draws = [mix.draw() for _ in range(20_000)]
     keys = np.array([k for _, k, _, _ in draws])
     assert np.mean(keys == 0) > 0.2 and np.mean(keys < 10) > 0.6
@@ -35,7 +45,9 @@ def test_hot_keys_dominate_and_the_cold_model_gets_its_fraction() -> None:
 
 
 def test_settings_round_trip_through_the_environment() -> None:
-    s = MixSettings(model="m", n_features=3, keys=7, zipf_s=0.5, cold_model="c", cold_fraction=0.2, regions=("x",), seed=4)
+    s = MixSettings(
+        model="m", n_features=3, keys=7, zipf_s=0.5, cold_model="c", cold_fraction=0.2, regions=("x",), seed=4
+    )
     assert MixSettings.from_env(s.to_env()) == s
     with pytest.raises(RuntimeError, match="must be set; run load tests through `skewserve loadtest`"):
         MixSettings.from_env({})
@@ -44,8 +56,16 @@ def test_settings_round_trip_through_the_environment() -> None:
 def test_shapes() -> None:
     p = ShapeParams(users=8, spawn_rate=2, duration_s=10)
     assert shape_tick("steady", p, 3) == (8, 2) and shape_tick("steady", p, 10) is None
-    assert shape_tick("ramp", p, 0)[0] == 1 and shape_tick("ramp", p, 4)[0] == 4 and shape_tick("ramp", p, 9)[0] == 8
-    assert shape_tick("spike", p, 1)[0] == 2 and shape_tick("spike", p, 5)[0] == 8 and shape_tick("spike", p, 7)[0] == 2
+    assert (
+        shape_tick("ramp", p, 0)[0] == 1
+        and shape_tick("ramp", p, 4)[0] == 4
+        and shape_tick("ramp", p, 9)[0] == 8
+    )
+    assert (
+        shape_tick("spike", p, 1)[0] == 2
+        and shape_tick("spike", p, 5)[0] == 8
+        and shape_tick("spike", p, 7)[0] == 2
+    )
     with pytest.raises(ValueError, match="unknown shape 'wave'"):
         shape_tick("wave", p, 1)
 
@@ -54,7 +74,10 @@ def test_slo_gate() -> None:
     total = RowStats("", "Aggregated", 1000, 5, 100.0, 2.0, 9.0, 20.0)
     assert check_slo(total, Slo(p95_ms=10, p99_ms=25, error_rate=0.01)) == []
     assert check_slo(total, Slo(p95_ms=5, p99_ms=10, error_rate=0.001)) == [
-        "p95 9.0 ms > 5 ms", "p99 20.0 ms > 10 ms", "error rate 0.0050 > 0.001"]
+        "p95 9.0 ms > 5 ms",
+        "p99 20.0 ms > 10 ms",
+        "error rate 0.0050 > 0.001",
+    ]
 
 
 def test_slo_file_errors_name_the_field(tmp_path: Path) -> None:

@@ -23,9 +23,22 @@ def test_help_shows_the_product_shape() -> None:
 
 def test_triton_up_serves_until_interrupted(affine_repo: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [*SKEWSERVE, "triton", "up", "--repo", str(affine_repo), "--regions", "us-east,eu-west",
-         "--per-region", "1", "--log-dir", str(tmp_path / "logs")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            *SKEWSERVE,
+            "triton",
+            "up",
+            "--repo",
+            str(affine_repo),
+            "--regions",
+            "us-east,eu-west",
+            "--per-region",
+            "1",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     assert proc.stdout is not None
     lines: list[str] = []
@@ -53,7 +66,10 @@ def test_triton_up_serves_until_interrupted(affine_repo: Path, tmp_path: Path) -
 
 
 def test_triton_up_rejects_empty_regions(affine_repo: Path) -> None:
-    res = subprocess.run([*SKEWSERVE, "triton", "up", "--repo", str(affine_repo), "--regions", ","],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [*SKEWSERVE, "triton", "up", "--repo", str(affine_repo), "--regions", ","],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode != 0
     assert "give at least one region name" in res.stdout + res.stderr

@@ -62,7 +62,9 @@ def test_environment_puts_venv_first_and_libpython_on_loader_path() -> None:
     assert sysconfig.get_config_var("LIBDIR") in env["LD_LIBRARY_PATH"].split(os.pathsep)
 
 
-def test_serves_http_and_grpc_with_local_profile(affine_repo: Path, log_dir: Path, prepared_triton: PreparedTriton) -> None:
+def test_serves_http_and_grpc_with_local_profile(
+    affine_repo: Path, log_dir: Path, prepared_triton: PreparedTriton
+) -> None:
     spec = TritonServerSpec(repository=affine_repo, region="us-east", name="a")
     with TritonServer(spec, log_dir, prepared_triton) as server:
         np.testing.assert_array_equal(_infer_http(server.http_address), X * 2 + 1)
@@ -84,7 +86,9 @@ def test_two_regions_at_once_and_clean_stop(affine_repo: Path, log_dir: Path) ->
     assert all(p is not None and not _alive(p) for p in pids)
 
 
-def test_failing_model_reports_tritons_reason(tmp_path: Path, log_dir: Path, prepared_triton: PreparedTriton) -> None:
+def test_failing_model_reports_tritons_reason(
+    tmp_path: Path, log_dir: Path, prepared_triton: PreparedTriton
+) -> None:
     repo = tmp_path / "repo"
     write_affine_model(repo, "broken", fail_reason="weights file is missing: w.bin")
     spec = TritonServerSpec(repository=repo, name="broken")
@@ -94,7 +98,9 @@ def test_failing_model_reports_tritons_reason(tmp_path: Path, log_dir: Path, pre
     assert not server.is_running()
 
 
-def test_taken_port_is_refused_with_its_number(affine_repo: Path, log_dir: Path, prepared_triton: PreparedTriton) -> None:
+def test_taken_port_is_refused_with_its_number(
+    affine_repo: Path, log_dir: Path, prepared_triton: PreparedTriton
+) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()

@@ -39,7 +39,9 @@ def test_non_numeric_feature_is_named(tmp_path: Path) -> None:
 
 def test_nan_and_inf_are_counted_with_their_column(tmp_path: Path) -> None:
     df = _frame(["x", "y", "x"], c=[1.0, np.nan, np.inf])
-    with pytest.raises(DataError, match=r"feature column 'c' in the train split has 2 non-finite values \(1 NaN, 1 inf\)"):
+    with pytest.raises(
+        DataError, match=r"feature column 'c' in the train split has 2 non-finite values \(1 NaN, 1 inf\)"
+    ):
         load_data_dir(_write(tmp_path, df, _frame(["x", "y", "x"], c=[1.0, 2.0, 3.0])))
 
 
@@ -49,7 +51,9 @@ def test_class_in_validation_but_not_training(tmp_path: Path) -> None:
 
 
 def test_fewer_than_two_classes(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"training split has 1 class \(\['x'\]\); classification needs at least two"):
+    with pytest.raises(
+        DataError, match=r"training split has 1 class \(\['x'\]\); classification needs at least two"
+    ):
         load_data_dir(_write(tmp_path, _frame(["x", "x"]), _frame(["x", "x"])))
 
 
@@ -60,7 +64,9 @@ def test_missing_split_file(tmp_path: Path) -> None:
 
 
 def test_synth_is_long_tailed_balanced_in_eval_and_reproducible() -> None:
-    spec = SynthSpec(n_classes=5, imbalance_ratio=50, n_max=500, n_val_per_class=10, n_test_per_class=20, seed=3)
+    spec = SynthSpec(
+        n_classes=5, imbalance_ratio=50, n_max=500, n_val_per_class=10, n_test_per_class=20, seed=3
+    )
     a, b = generate(spec), generate(spec)
     pd.testing.assert_frame_equal(a["train"], b["train"])
     sizes = a["train"]["label"].value_counts().sort_index().tolist()

@@ -10,8 +10,12 @@ label_arrays = st.lists(st.integers(0, 5), min_size=8, max_size=400).map(lambda 
 
 
 @settings(max_examples=60, deadline=None)
-@given(labels=label_arrays, world=st.integers(1, 4), q=st.sampled_from([0.0, 0.5, 1.0]), epoch=st.integers(0, 50))
-def test_equal_lengths_and_per_class_balance_across_ranks(labels: np.ndarray, world: int, q: float, epoch: int) -> None:
+@given(
+    labels=label_arrays, world=st.integers(1, 4), q=st.sampled_from([0.0, 0.5, 1.0]), epoch=st.integers(0, 50)
+)
+def test_equal_lengths_and_per_class_balance_across_ranks(
+    labels: np.ndarray, world: int, q: float, epoch: int
+) -> None:
     if len(labels) < world:
         return
     samplers = [ClassBalancedSampler(labels, world, r, q=q, seed=7) for r in range(world)]
@@ -28,7 +32,9 @@ def test_equal_lengths_and_per_class_balance_across_ranks(labels: np.ndarray, wo
 
 @settings(max_examples=40, deadline=None)
 @given(labels=label_arrays, world=st.integers(1, 4), epoch=st.integers(0, 20))
-def test_natural_q_draws_each_sample_at_most_once_and_disjointly(labels: np.ndarray, world: int, epoch: int) -> None:
+def test_natural_q_draws_each_sample_at_most_once_and_disjointly(
+    labels: np.ndarray, world: int, epoch: int
+) -> None:
     if len(labels) < world:
         return
     drawn = []
@@ -51,7 +57,10 @@ def test_class_frequencies_follow_q() -> None:
 
 def test_same_seed_and_epoch_same_draw_different_epoch_different() -> None:
     labels = np.repeat(np.arange(3), [50, 20, 5])
-    a, b = ClassBalancedSampler(labels, 2, 1, q=0.5, seed=11), ClassBalancedSampler(labels, 2, 1, q=0.5, seed=11)
+    a, b = (
+        ClassBalancedSampler(labels, 2, 1, q=0.5, seed=11),
+        ClassBalancedSampler(labels, 2, 1, q=0.5, seed=11),
+    )
     a.set_epoch(4)
     b.set_epoch(4)
     assert list(a) == list(b)

@@ -27,7 +27,9 @@ def test_weighted_uneven_shards_match_single_process_gradient(loss_name: str) ->
     world = 3
     balancer = RankSpeedBalancer(world)
     for _ in range(10):
-        balancer.observe(np.array([1.0, 3.0, 6.0]) * balancer.shares())  # rank 0 three times as fast as rank 1
+        balancer.observe(
+            np.array([1.0, 3.0, 6.0]) * balancer.shares()
+        )  # rank 0 three times as fast as rank 1
     counts = balancer.split(len(y))
     assert len(set(counts)) > 1 and sum(counts) == 50
     order = np.arange(50)

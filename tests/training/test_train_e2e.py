@@ -13,33 +13,33 @@ import torch
 from training.config import TrainConfig
 from training.errors import CheckpointError, TrainingError
 from training.launch import train
-from training.synth import SynthSpec, write
 from training.worker import FAULT_ENV
-
-
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("data")
-    write(SynthSpec(n_classes=4, imbalance_ratio=20, n_max=400, n_features=6, n_informative=4,
-                    n_val_per_class=30, n_test_per_class=30, seed=1), d)
-    return d
 
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_writes_a_complete_artifact(small_data: Path, tmp_path: Path) -> None:
     out = tmp_path / "art"
-    cfg = TrainConfig(data_dir=small_data, out_dir=out, nproc=2, epochs=3, global_batch_size=64,
-                      slow_rank=1, slow_factor=2.0, precision="bf16", progress=False)
+    cfg = TrainConfig(
+        data_dir=small_data,
+        out_dir=out,
+        nproc=2,
+        epochs=3,
+        global_batch_size=64,
+        slow_rank=1,
+        slow_factor=2.0,
+        precision="bf16",
+        progress=False,
+    )
     meta = train(cfg, log_path=tmp_path / "torchrun.log")
     for name in ("model.pt", "metadata.json", "metrics.json", "confusion_matrix.png", "checkpoints/last.pt"):
         assert (out / name).is_file(), name
     assert meta["format_version"] == 1
     assert meta["provenance"]["world_size"] == 2 and meta["provenance"]["precision"] == "bf16"
-    assert meta["classes"] == ["class_00", "class_01", "class_02", "class_03"]
-    assert [i["name"] for i in meta["inputs"]] == [f"f{i:02d}" for i in range(6)]
-    assert len(meta["normalisation"]["mean"]) == 6 and abs(sum(meta["class_priors"]) - 1) < 1e-9
+    assert meta["classes"] == [f"class_{i:02d}" for i in range(5)]
+    assert [i["name"] for i in meta["inputs"]] == [f"f{i:02d}" for i in range(8)]
+    assert len(meta["normalisation"]["mean"]) == 8 and abs(sum(meta["class_priors"]) - 1) < 1e-9
     metrics = json.loads((out / "metrics.json").read_text())
-    assert set(metrics) == {"val", "test"} and len(metrics["test"]["confusion_matrix"]) == 4
+    assert set(metrics) == {"val", "test"} and len(metrics["test"]["confusion_matrix"]) == 5
     # both ranks wrote step records; epoch summaries carry the imbalance ratio and class counts
     for rank in (0, 1):
         rows = (out / "checkpoints" / f"monitor-rank{rank}.jsonl").read_text().splitlines()
@@ -59,7 +59,9 @@ def test_resume_after_kill_equals_uninterrupted(small_data: Path, tmp_path: Path
 
     cfg = TrainConfig(out_dir=tmp_path / "killed", **base)  # type: ignore[arg-type]
     script = f"from training.config import TrainConfig; from training.launch import train; train(TrainConfig.model_validate_json({cfg.model_dump_json()!r}))"
-    proc = subprocess.run([sys.executable, "-c", script], env={**__import__("os").environ, FAULT_ENV: "1"}, capture_output=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env={**__import__("os").environ, FAULT_ENV: "1"}, capture_output=True
+    )
     assert proc.returncode == 137
     assert not (tmp_path / "killed" / "metadata.json").exists()  # no artifact from a killed run
     assert torch.load(tmp_path / "killed" / "checkpoints" / "last.pt", weights_only=False)["epoch"] == 1
@@ -75,7 +77,16 @@ def test_resume_after_kill_equals_uninterrupted(small_data: Path, tmp_path: Path
 def test_resume_refuses_changed_settings(small_data: Path, tmp_path: Path) -> None:
     train(TrainConfig(data_dir=small_data, out_dir=tmp_path / "r", epochs=1, progress=False))
     with pytest.raises(CheckpointError, match="loss: checkpoint 'logit_adjusted' vs now 'focal'"):
-        train(TrainConfig(data_dir=small_data, out_dir=tmp_path / "r", epochs=1, loss="focal", resume=True, progress=False))
+        train(
+            TrainConfig(
+                data_dir=small_data,
+                out_dir=tmp_path / "r",
+                epochs=1,
+                loss="focal",
+                resume=True,
+                progress=False,
+            )
+        )
 
 
 def test_config_contradictions_name_field_and_fix(small_data: Path, tmp_path: Path) -> None:
@@ -88,14 +99,28 @@ def test_config_contradictions_name_field_and_fix(small_data: Path, tmp_path: Pa
 def test_cli_train_reports_bad_data(tmp_path: Path) -> None:
     (tmp_path / "train.csv").write_text("a,label\n1,x\n2,y\n")
     (tmp_path / "val.csv").write_text("a,label\n1,x\n2,q\n")
-    res = subprocess.run([sys.executable, "-m", "skewserve.cli", "train", "--data", str(tmp_path), "--out", str(tmp_path / "o")],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "skewserve.cli",
+            "train",
+            "--data",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 1
     assert "classes ['q'] appear in the val split but not in training" in res.stdout
 
 
 def test_failing_torchrun_is_reported(tmp_path: Path, small_data: Path) -> None:
-    cfg = TrainConfig(data_dir=small_data, out_dir=tmp_path / "o", nproc=2, epochs=1, progress=False, precision="fp16")
+    cfg = TrainConfig(
+        data_dir=small_data, out_dir=tmp_path / "o", nproc=2, epochs=1, progress=False, precision="fp16"
+    )
     with pytest.raises(TrainingError, match="torchrun exited with code 1"):
         train(cfg, log_path=tmp_path / "log")
     assert "precision fp16 needs a CUDA GPU" in (tmp_path / "log").read_text()

@@ -1,0 +1,73 @@
+"""Run the gateway as a child process (`python -m gateway`) and wait until it serves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from skewserve.errors import SkewserveError
+
+
+@dataclass
+class GatewayProcess:
+    proc: subprocess.Popen[bytes]
+    host: str
+    http_port: int
+    grpc_port: int
+    log_path: Path
+
+    @property
+    def http(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGINT (immediate stop, no drain), then SIGKILL after the bound; idempotent."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def start_gateway_process(
+    config_path: Path,
+    log_path: Path,
+    host: str = "127.0.0.1",
+    timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> GatewayProcess:
+    """Start the gateway on `config_path`; return once it wrote its bound ports, or raise with its log."""
+    ready = config_path.with_suffix(".ready")
+    ready.unlink(missing_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "--config", str(config_path), "--ready-file", str(ready)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SkewserveError(
+                f"gateway exited with {proc.returncode}: {log_path.read_text(errors='replace')[-2000:]}"
+            )
+        if ready.exists() and ready.read_text().strip():
+            ports = json.loads(ready.read_text())
+            return GatewayProcess(proc, host, ports["http_port"], ports["grpc_port"], log_path)
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait(5)
+    raise SkewserveError(f"gateway not ready after {timeout_s:.0f}s; see {log_path}")
