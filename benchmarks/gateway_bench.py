@@ -164,26 +164,6 @@ class Gateway:
         self.process.stop()
 
 
-DELAY_PROXY = r"""
-import asyncio, sys
-listen, target, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-async def pipe(r, w, d):
-    try:
-        while data := await r.read(65536):
-            if d: await asyncio.sleep(d)
-            w.write(data); await w.drain()
-    except (ConnectionError, asyncio.CancelledError): pass
-    finally: w.close()
-async def handle(cr, cw):
-    ur, uw = await asyncio.open_connection("127.0.0.1", target)
-    await asyncio.gather(pipe(cr, uw, 0.0), pipe(ur, cw, delay))
-async def main():
-    srv = await asyncio.start_server(handle, "127.0.0.1", listen)
-    async with srv: await srv.serve_forever()
-asyncio.run(main())
-"""
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -265,7 +245,9 @@ def run_all(a: TritonServer, b: TritonServer, work: Path, secs: float, procs: li
     http_proxy, grpc_proxy = free_port(), free_port()
     for listen, target in ((http_proxy, b.http_port), (grpc_proxy, b.grpc_port)):
         procs.append(
-            subprocess.Popen([sys.executable, "-c", DELAY_PROXY, str(listen), str(target), str(delay)])
+            subprocess.Popen(
+                [sys.executable, "-m", "loadtests.delay_proxy", str(listen), str(target), str(delay)]
+            )
         )
     time.sleep(1.0)
     healthy = {"local": [(a.http_address, a.grpc_address), (b.http_address, b.grpc_address)]}

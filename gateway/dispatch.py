@@ -135,7 +135,9 @@ class Dispatcher:
                 self.metrics.spillover(self.router.home, route.region)
             try:
                 if model in self.hedged_models and not route_any:
-                    value = await self._hedged(route, attempt, remaining, model, version, pinned, tried)
+                    value, route = await self._hedged(
+                        route, attempt, remaining, model, version, pinned, tried
+                    )
                 else:
                     value = await self._timed(route, attempt, remaining, model)
                 return Outcome(value, route, n)
@@ -161,36 +163,42 @@ class Dispatcher:
         version: str,
         pinned: str | None,
         tried: list[UpstreamServer],
-    ) -> T:
-        """Send a second copy to another server if the first has not answered by its recent p95."""
-        delay = max(
-            self.cfg.hedging.min_delay_ms / 1000,
-            first.server.latency.p95() if first.server.latency.samples >= 8 else remaining,
-        )
+    ) -> tuple[T, Route]:
+        """Send a second copy to another server if the first has not answered in the expected p95.
+
+        As in Dean & Barroso, "The Tail at Scale" (2013): the expected p95 is that of the request
+        class, here the lowest recent p95 among the servers, so a server that has become slow
+        as a whole is hedged too (its own p95 would only say "slow is normal"). Before any server
+        has 8 samples the floor `hedging.min_delay_ms` applies; the retry budget bounds the extra load.
+        Returns the first successful answer and the route that produced it.
+        """
+        p95s = [s.latency.p95() for s in self.router.servers() if s.latency.samples >= 8]
+        delay = max(self.cfg.hedging.min_delay_ms / 1000, min(p95s) if p95s else 0.0)
         started = self.clock()
         primary = asyncio.ensure_future(self._timed(first, attempt, remaining, model))
         done, _ = await asyncio.wait({primary}, timeout=min(delay, remaining))
         if done:
-            return primary.result()
+            return primary.result(), first
         try:
             second = self.router.route(model, version, pinned, [*tried, first.server])
         except NoReadyServer:
-            return await primary
+            return await primary, first
         if not self.budget.try_withdraw():
             self.metrics.retry_budget_exhausted()
-            return await primary
+            return await primary, first
         self.metrics.hedge(model)
         backup = asyncio.ensure_future(
             self._timed(second, attempt, remaining - (self.clock() - started), model)
         )
-        pending = {primary, backup}
+        routes = {primary: first, backup: second}
+        pending: set[asyncio.Future[T]] = {primary, backup}
         error: BaseException | None = None
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     if task.exception() is None:
-                        return task.result()
+                        return task.result(), routes[task]
                     error = task.exception()
             assert error is not None
             raise error

@@ -83,3 +83,29 @@ def test_rollout_with_live_traffic_then_broken_version_rolls_back(
 def test_rollout_of_unpublished_version_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RolloutError, match="lt version 9 is not published"):
         rollout("lt", 9, ["http://127.0.0.1:1"], tmp_path)
+
+
+def test_rollout_cli_takes_servers_from_the_gateway_config(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "home_region": "a",
+                "regions": [
+                    {"name": "a", "servers": [{"name": "a0", "http": "127.0.0.1:1", "grpc": "127.0.0.1:2"}]}
+                ],
+            }
+        )
+    )
+    base = [sys.executable, "-m", "skewserve.cli", "rollout", "lt", "--version", "1", "--repo", str(tmp_path)]
+    res = subprocess.run([*base, "--regions", "b", "--config", str(cfg)], capture_output=True, text=True)
+    assert res.returncode == 2 and "regions ['b'] are not in" in res.stdout + res.stderr
+    res = subprocess.run([*base, "--regions", "a", "--config", str(cfg)], capture_output=True, text=True)
+    assert res.returncode == 1 and "lt version 1 is not published" in res.stdout
+    res = subprocess.run([*base, "--regions", "a"], capture_output=True, text=True)
+    assert res.returncode == 2 and "--regions needs --config" in res.stdout + res.stderr

@@ -1,0 +1,113 @@
+"""Hedging and deadlines against a server made slow by a real delaying TCP proxy."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from skewserve.ports import free_port
+from tests.gateway.conftest import gateway_config
+
+BODY = json.dumps(
+    {"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.3] * 8}]}
+).encode()
+DELAY_S = 0.3
+
+
+@pytest.fixture()
+def slow_pair(fleet) -> Iterator[dict[str, list[tuple[str, str, str]]]]:
+    """us-east: one direct server and the other behind a proxy adding 300 ms to each response."""
+    fast, slow = fleet["us-east"]
+    ports = (free_port(), free_port())
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "loadtests.delay_proxy", str(p), str(t), str(DELAY_S)])
+        for p, t in zip(ports, (slow.http_port, slow.grpc_port), strict=True)
+    ]
+    for port in ports:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "delay proxy did not start"
+                time.sleep(0.05)
+    yield {
+        "us-east": [
+            ("fast", fast.http_address, fast.grpc_address),
+            ("slow", f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"),
+        ]
+    }
+    for p in procs:
+        p.kill()
+        p.wait(5)
+
+
+def _config(servers: dict[str, list[tuple[str, str, str]]], **overrides: object) -> dict:
+    # Probes cross the delaying proxy too (several round trips on a new gRPC connection).
+    overrides = {"health": {"timeout_s": 5.0, "interval_s": 0.5}, **overrides}
+    cfg = gateway_config({}, **overrides)
+    cfg["regions"] = [
+        {"name": r, "servers": [{"name": n, "http": h, "grpc": g} for n, h, g in s]}
+        for r, s in servers.items()
+    ]
+    return cfg
+
+
+def _post(address: str, **headers: str) -> tuple[int, float, dict]:
+    req = urllib.request.Request(f"http://{address}/v2/models/lt_nocache/infer", data=BODY, headers=headers)
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, time.monotonic() - started, dict(r.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, time.monotonic() - started, json.loads(exc.read())
+
+
+def test_hedged_requests_do_not_wait_for_the_slow_server(slow_pair, make_gateway) -> None:
+    gw = make_gateway(
+        _config(
+            slow_pair,
+            balancing={"policy": "round_robin"},
+            hedging={"models": ["lt_nocache"], "min_delay_ms": 20},
+        )
+    )
+    results = [_post(gw.http) for _ in range(12)]
+    assert all(status == 200 for status, _, _ in results)
+    assert all(
+        headers["x-skewserve-server"] == "fast" for _, _, headers in results
+    )  # the hedge won each race
+    assert max(seconds for _, seconds, _ in results) < DELAY_S  # nobody waited for the slow answer
+    hedges = [
+        line
+        for line in gw.metrics().splitlines()
+        if line.startswith('skewserve_gateway_hedges_total{model="lt_nocache"}')
+    ]
+    assert hedges and float(hedges[0].split()[-1]) >= 5
+
+
+def test_without_hedging_round_robin_waits_for_the_slow_server(slow_pair, make_gateway) -> None:
+    gw = make_gateway(_config(slow_pair, balancing={"policy": "round_robin"}))
+    seconds = [_post(gw.http)[1] for _ in range(6)]
+    assert max(seconds) >= DELAY_S  # the contrast that makes the test above meaningful
+
+
+def test_deadline_header_bounds_the_wait_with_504(slow_pair, make_gateway) -> None:
+    only_slow = {"us-east": [slow_pair["us-east"][1]]}
+    gw = make_gateway(_config(only_slow, retries={"max_attempts": 1}))
+    status, seconds, body = _post(gw.http, **{"x-skewserve-timeout-ms": "100"})
+    assert status == 504 and "no response within" in body["error"]
+    assert seconds < DELAY_S
+    status, _, body = _post(gw.http, **{"x-skewserve-timeout-ms": "soon"})
+    assert (
+        status == 400
+        and body["error"] == "x-skewserve-timeout-ms must be a number of milliseconds, got 'soon'"
+    )
