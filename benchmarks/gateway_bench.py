@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -34,6 +33,7 @@ from tritonclient.grpc import service_pb2  # noqa: E402
 from exporter.pipeline import export_artifact  # noqa: E402
 from exporter.triton_config import ConfigOptions  # noqa: E402
 from gateway.upstream_http import HttpPool  # noqa: E402
+from loadtests.wire import binary_request  # noqa: E402
 from skewserve.gateway_process import start_gateway_process  # noqa: E402
 from skewserve.ports import free_port  # noqa: E402
 from skewserve.triton_process import TritonServer, TritonServerSpec  # noqa: E402
@@ -46,28 +46,8 @@ ROW = np.random.default_rng(0).standard_normal((1, N_FEATURES)).astype(np.float3
 
 
 def http_request(model: str, x: np.ndarray = ROW) -> tuple[bytes, bytes, list[tuple[bytes, bytes]]]:
-    header = json.dumps(
-        {
-            "inputs": [
-                {
-                    "name": "features",
-                    "shape": list(x.shape),
-                    "datatype": "FP32",
-                    "parameters": {"binary_data_size": x.nbytes},
-                }
-            ],
-            "outputs": [{"name": "probabilities", "parameters": {"binary_data": True}}],
-        }
-    ).encode()
-    path = f"/v2/models/{model}/infer".encode()
-    return (
-        path,
-        header + x.tobytes(),
-        [
-            (b"Inference-Header-Content-Length", str(len(header)).encode()),
-            (b"Content-Type", b"application/octet-stream"),
-        ],
-    )
+    body, headers = binary_request(x, outputs=("probabilities",))
+    return f"/v2/models/{model}/infer".encode(), body, [(k.encode(), v.encode()) for k, v in headers.items()]
 
 
 def grpc_request(model: str, x: np.ndarray = ROW) -> bytes:

@@ -6,9 +6,9 @@ the user class for the protocol. Request names say protocol and model, e.g. `htt
 
 from __future__ import annotations
 
-import json
 import os
 import time
+from typing import Any
 
 from grpc.experimental import gevent as grpc_gevent
 
@@ -19,6 +19,7 @@ from locust import FastHttpUser, LoadTestShape, User, constant, task  # noqa: E4
 
 from loadtests.mix import MixSettings, RequestMix  # noqa: E402
 from loadtests.shapes import ShapeParams, shape_tick  # noqa: E402
+from loadtests.wire import binary_request, json_request  # noqa: E402
 
 REGION_HEADER = os.environ.get("SKEWSERVE_LT_REGION_HEADER", "x-skewserve-region")
 
@@ -31,77 +32,47 @@ class _Mixed:
         return mix
 
 
-class HttpJsonUser(FastHttpUser, _Mixed):
-    """KServe v2 JSON tensors over HTTP."""
-
+class _HttpUser(FastHttpUser, _Mixed):
+    abstract = True
     wait_time = constant(0)
+    kind = ""
+
+    def encode(self, row: Any) -> tuple[bytes, dict[str, str]]:
+        raise NotImplementedError
 
     @task
     def infer(self) -> None:
         model, _, row, region = self._mix().draw()
-        body = json.dumps(
-            {
-                "inputs": [
-                    {
-                        "name": "features",
-                        "shape": list(row.shape),
-                        "datatype": "FP32",
-                        "data": row.ravel().tolist(),
-                    }
-                ]
-            }
-        )
-        headers = {"Content-Type": "application/json"} | ({REGION_HEADER: region} if region else {})
-        with self.client.post(
-            f"/v2/models/{model}/infer",
-            data=body,
-            headers=headers,
-            name=f"http-json {model}",
-            catch_response=True,
-        ) as r:
-            if r.status_code != 200:
-                r.failure(f"HTTP {r.status_code}: {r.text[:200]}")
-
-
-class HttpBinaryUser(FastHttpUser, _Mixed):
-    """Triton's binary tensor extension over HTTP (Inference-Header-Content-Length)."""
-
-    wait_time = constant(0)
-
-    @task
-    def infer(self) -> None:
-        model, _, row, region = self._mix().draw()
-        header = json.dumps(
-            {
-                "inputs": [
-                    {
-                        "name": "features",
-                        "shape": list(row.shape),
-                        "datatype": "FP32",
-                        "parameters": {"binary_data_size": row.nbytes},
-                    }
-                ],
-                "outputs": [
-                    {"name": "probabilities", "parameters": {"binary_data": True}},
-                    {"name": "label", "parameters": {"binary_data": True}},
-                ],
-            }
-        ).encode()
-        headers = {
-            "Inference-Header-Content-Length": str(len(header)),
-            "Content-Type": "application/octet-stream",
-        }
+        body, headers = self.encode(row)
         if region:
             headers[REGION_HEADER] = region
         with self.client.post(
             f"/v2/models/{model}/infer",
-            data=header + row.tobytes(),
+            data=body,
             headers=headers,
-            name=f"http-binary {model}",
+            name=f"{self.kind} {model}",
             catch_response=True,
         ) as r:
             if r.status_code != 200:
                 r.failure(f"HTTP {r.status_code}: {r.text[:200]}")
+
+
+class HttpJsonUser(_HttpUser):
+    """KServe v2 JSON tensors over HTTP."""
+
+    kind = "http-json"
+
+    def encode(self, row: Any) -> tuple[bytes, dict[str, str]]:
+        return json_request(row)
+
+
+class HttpBinaryUser(_HttpUser):
+    """Triton's binary tensor extension over HTTP (Inference-Header-Content-Length)."""
+
+    kind = "http-binary"
+
+    def encode(self, row: Any) -> tuple[bytes, dict[str, str]]:
+        return binary_request(row)
 
 
 class GrpcUser(User, _Mixed):
