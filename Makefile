@@ -50,6 +50,7 @@ test: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 bench-training: setup
 	$(BIN)/python benchmarks/training_bench.py

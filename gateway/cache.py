@@ -155,6 +155,8 @@ class RedisCache:
             return None
         if raw is None:
             return None
+        if isinstance(raw, str):  # only with decode_responses=True, which this client never sets
+            raw = raw.encode()
         tag, value = raw[:32], raw[32:]
         if len(raw) < 32 or not hmac.compare_digest(tag, self._tag(key, value)):
             self.stats.tampered += 1

@@ -175,7 +175,7 @@ class Dispatcher:
         p95s = [s.latency.p95() for s in self.router.servers() if s.latency.samples >= 8]
         delay = max(self.cfg.hedging.min_delay_ms / 1000, min(p95s) if p95s else 0.0)
         started = self.clock()
-        primary = asyncio.ensure_future(self._timed(first, attempt, remaining, model))
+        primary: asyncio.Future[T] = asyncio.ensure_future(self._timed(first, attempt, remaining, model))
         done, _ = await asyncio.wait({primary}, timeout=min(delay, remaining))
         if done:
             return primary.result(), first
@@ -187,7 +187,7 @@ class Dispatcher:
             self.metrics.retry_budget_exhausted()
             return await primary, first
         self.metrics.hedge(model)
-        backup = asyncio.ensure_future(
+        backup: asyncio.Future[T] = asyncio.ensure_future(
             self._timed(second, attempt, remaining - (self.clock() - started), model)
         )
         routes = {primary: first, backup: second}

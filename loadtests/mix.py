@@ -82,7 +82,7 @@ class RequestMix:
         self.rng = np.random.default_rng()
 
     def key(self) -> int:
-        return int(min(np.searchsorted(self.cdf, self.rng.random()), self.settings.keys - 1))
+        return min(int(np.searchsorted(self.cdf, self.rng.random())), self.settings.keys - 1)
 
     def model(self) -> str:
         s = self.settings

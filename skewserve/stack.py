@@ -19,7 +19,7 @@ import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gateway.config import GatewayConfig, format_validation_error
+from gateway.config import GatewayConfig, RegionConfig, ServerConfig, format_validation_error
 from skewserve.errors import SkewserveError
 from skewserve.gateway_process import GatewayProcess, start_gateway_process
 from skewserve.triton_process import TritonFleet, TritonServerSpec
@@ -68,7 +68,9 @@ def load_stack_config(path: Path) -> StackConfig:
         GatewayConfig(
             **gw,
             regions=[
-                {"name": r, "servers": [{"name": f"probe-{r}", "http": "127.0.0.1:1", "grpc": "127.0.0.1:2"}]}
+                RegionConfig(
+                    name=r, servers=[ServerConfig(name=f"probe-{r}", http="127.0.0.1:1", grpc="127.0.0.1:2")]
+                )
                 for r in cfg.regions
             ],
         )

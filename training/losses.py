@@ -45,6 +45,9 @@ def effective_number_weights(counts: np.ndarray, beta: float = 0.999) -> np.ndar
 class SkewLoss(nn.Module):
     """One of the losses above, configured once with the training class counts."""
 
+    class_weights: torch.Tensor
+    logit_offset: torch.Tensor
+
     def __init__(
         self, name: str, class_counts: np.ndarray, tau: float = 1.0, gamma: float = 2.0, beta: float = 0.999
     ) -> None:

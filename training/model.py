@@ -19,6 +19,9 @@ class ModelSpec(BaseModel):
 class MLPClassifier(nn.Module):
     """Standardise -> [Linear -> GELU -> Dropout] x depth -> Linear (logits)."""
 
+    feature_mean: torch.Tensor
+    feature_std: torch.Tensor
+
     def __init__(
         self, spec: ModelSpec, mean: np.ndarray | None = None, std: np.ndarray | None = None
     ) -> None:
