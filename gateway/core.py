@@ -122,8 +122,19 @@ class Gateway:
         self.auth.admit(principal, model)
         return principal
 
-    def deadline(self, timeout_ms: str | None) -> float:
+    def deadline(self, timeout_ms: str | None, timeout_us: object = None) -> float:
+        """The request's deadline: the tightest of the default, the header, and the KServe/Triton
+        `timeout` request parameter (microseconds); the gRPC front also applies the call deadline."""
         timeout = self.cfg.retries.default_timeout_s
+        if timeout_us is not None:
+            if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or timeout_us < 0:
+                from gateway.errors import BadRequest
+
+                raise BadRequest(
+                    f"the 'timeout' parameter must be a non-negative integer of microseconds, got {timeout_us!r}"
+                )
+            if timeout_us > 0:  # Triton reads 0 as "no timeout"
+                timeout = min(timeout, timeout_us / 1e6)
         if timeout_ms:
             try:
                 timeout = min(timeout, max(0.0, float(timeout_ms) / 1000))

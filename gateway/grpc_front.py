@@ -85,8 +85,10 @@ class GrpcFront:
     def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
         return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
-    def _deadline(self, context: grpc.aio.ServicerContext, md: dict[str, str]) -> float:
-        deadline = self.gw.deadline(md.get(self.timeout_key))
+    def _deadline(
+        self, context: grpc.aio.ServicerContext, md: dict[str, str], timeout_us: int | None = None
+    ) -> float:
+        deadline = self.gw.deadline(md.get(self.timeout_key), timeout_us)
         remaining = context.time_remaining()
         if remaining is not None:
             deadline = min(deadline, self.gw.clock() + remaining)
@@ -174,7 +176,8 @@ class GrpcFront:
                         raise BadRequest(
                             f"input {inp.name!r} has batch size {inp.shape[0]}, above the gateway limit of {self.max_batch}"
                         )
-            deadline = self._deadline(context, md)
+            timeout_us = req.parameters["timeout"].int64_param if "timeout" in req.parameters else None
+            deadline = self._deadline(context, md, timeout_us)
             metadata = (("x-request-id", request_id),)
 
             async def attempt(server: UpstreamServer, timeout_s: float) -> bytes:

@@ -172,7 +172,12 @@ class HttpFront:
             if self.max_batch:
                 parsed, _ = split_request(body, hl)
                 self._check_batch(parsed)
-            deadline = gw.deadline(timeout_ms)
+            timeout_us = None
+            if b'"timeout"' in (body if hl is None else body[:hl]):
+                if parsed is None:
+                    parsed, _ = split_request(body, hl)
+                timeout_us = (parsed.get("parameters") or {}).get("timeout")
+            deadline = gw.deadline(timeout_ms, timeout_us)
             path = scope["raw_path"] + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
 
             async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:

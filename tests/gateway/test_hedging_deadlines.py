@@ -102,10 +102,36 @@ def test_without_hedging_round_robin_waits_for_the_slow_server(slow_pair, make_g
 
 def test_deadline_header_bounds_the_wait_with_504(slow_pair, make_gateway) -> None:
     only_slow = {"us-east": [slow_pair["us-east"][1]]}
-    gw = make_gateway(_config(only_slow, retries={"max_attempts": 1}))
+    # Timeouts count as failures: keep the lone server in rotation for this test's several timeouts.
+    gw = make_gateway(
+        _config(
+            only_slow, retries={"max_attempts": 1}, health={"timeout_s": 5.0, "eject_after_failures": 100}
+        )
+    )
     status, seconds, body = _post(gw.http, **{"x-skewserve-timeout-ms": "100"})
     assert status == 504 and "no response within" in body["error"]
     assert seconds < DELAY_S
+    timed = json.dumps(
+        {**json.loads(BODY), "parameters": {"timeout": 100_000}}
+    ).encode()  # KServe/Triton: microseconds
+    req = urllib.request.Request(f"http://{gw.http}/v2/models/lt_nocache/infer", data=timed)
+    started = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=10)
+    assert info.value.code == 504 and time.monotonic() - started < DELAY_S
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(gw.grpc)
+    inp = grpcclient.InferInput("features", [1, 8], "FP32")
+    inp.set_data_from_numpy(np.zeros((1, 8), np.float32))
+    with pytest.raises(InferenceServerException) as g_info:
+        client.infer("lt_nocache", [inp], timeout=100_000)  # tritonclient sends it as the `timeout` parameter
+    assert g_info.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    with pytest.raises(InferenceServerException) as g_info:
+        client.infer("lt_nocache", [inp], client_timeout=0.1)  # the gRPC call deadline
+    assert g_info.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     status, _, body = _post(gw.http, **{"x-skewserve-timeout-ms": "soon"})
     assert (
         status == 400
