@@ -16,7 +16,7 @@ import grpc
 import grpc.aio
 from tritonclient.grpc import service_pb2 as pb
 
-from gateway.cache import cache_key
+from gateway.cache import cache_key_async
 from gateway.core import Gateway
 from gateway.errors import BadRequest, GatewayError, NoReadyServer, grpc_code_for
 from gateway.upstream import UpstreamServer
@@ -224,7 +224,7 @@ class GrpcFront:
         resolved = version or gw.router.latest_version(model)
         req.id = ""
         req.model_version = ""
-        key = cache_key("grpc", model, resolved, req.SerializeToString(deterministic=True))
+        key = await cache_key_async("grpc", model, resolved, req.SerializeToString(deterministic=True))
         route_box: list[Any] = []
 
         async def fetch() -> tuple[bytes, bytes | None]:

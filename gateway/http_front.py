@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.cache import cache_key_async
 from gateway.core import Gateway
 from gateway.errors import (
     BadRequest,
@@ -227,8 +228,6 @@ class HttpFront:
         parsed: dict[str, Any] | None,
         attempt: Any,
     ) -> tuple[HttpResponse, Any, str]:
-        from gateway.cache import cache_key
-
         gw = self.gw
         header, tail = (
             (parsed, body[hl:] if hl is not None else b"") if parsed is not None else split_request(body, hl)
@@ -236,7 +235,9 @@ class HttpFront:
         request_id = str(header.pop("id", ""))
         resolved = version or gw.router.latest_version(model)
         canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-        key = cache_key("http-binary" if hl is not None else "http-json", model, resolved, canonical, tail)
+        key = await cache_key_async(
+            "http-binary" if hl is not None else "http-json", model, resolved, canonical, tail
+        )
         route_box: list[Any] = []
 
         async def fetch() -> tuple[HttpResponse, bytes | None]:

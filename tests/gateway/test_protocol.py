@@ -215,3 +215,13 @@ def test_metrics_are_exported(shared_gateway) -> None:
     ):
         assert name in text, name
     assert 'model="lt_nocache",protocol="http",region="us-east"' in text
+
+
+def test_http_health_probes_when_configured(fleet, make_gateway) -> None:
+    from tests.gateway.conftest import gateway_config
+
+    gw = make_gateway(gateway_config(fleet, upstream_protocol="http"))
+    state = gw.admin()
+    assert all(s["available"] and s["models"].get("lt") == ["1"] for s in state["servers"])
+    assert _http_infer(gw.http, "lt_nocache", True).as_numpy("label").shape == (4, 1)
+    assert _grpc_infer(gw.grpc, "lt_nocache").as_numpy("label").shape == (4, 1)

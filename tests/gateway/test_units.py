@@ -311,3 +311,11 @@ def test_cli_gateway_refuses_bad_config_with_the_field(tmp_path: Path) -> None:
     )
     assert res.returncode == 2
     assert "regions: List should have at least 1 item" in res.stdout + res.stderr
+
+
+def test_large_keys_are_hashed_off_the_loop_with_the_same_result() -> None:
+    from gateway.cache import OFF_LOOP_BYTES, cache_key_async
+
+    big = b"x" * (OFF_LOOP_BYTES + 1)
+    assert asyncio.run(cache_key_async("grpc", "m", "1", big)) == cache_key("grpc", "m", "1", big)
+    assert asyncio.run(cache_key_async("grpc", "m", "1", b"small")) == cache_key("grpc", "m", "1", b"small")

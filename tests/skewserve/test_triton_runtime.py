@@ -113,3 +113,31 @@ def test_taken_port_is_refused_with_its_number(
 def test_missing_repository_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is not a directory; export a model first"):
         TritonServerSpec(repository=tmp_path / "nope")
+
+
+def test_missing_pytriton_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from skewserve.triton_dist import locate_distribution
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(
+        TritonNotInstalled, match=r"nvidia-pytriton package is not installed.*Run `make setup`"
+    ):
+        locate_distribution()
+
+
+def test_missing_binary_names_its_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.machinery
+    import importlib.util
+
+    from skewserve.triton_dist import locate_distribution
+
+    (tmp_path / "pytriton" / "tritonserver").mkdir(parents=True)
+    spec = importlib.machinery.ModuleSpec("pytriton", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path / "pytriton")]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(
+        TritonNotInstalled, match=r"tritonserver binary not found at .*pytriton/tritonserver/bin/tritonserver"
+    ):
+        locate_distribution()
