@@ -44,6 +44,12 @@ def start_fleet(
     return fleet
 
 
+def stop_fleet(fleet: dict[str, list[TritonServer]]) -> None:
+    for servers in fleet.values():
+        for s in servers:
+            s.stop()
+
+
 @pytest.fixture(scope="module")
 def fleet(
     gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton
@@ -53,9 +59,7 @@ def fleet(
         gateway_repo, {"us-east": 2, "eu-west": 2}, tmp_path_factory.mktemp("fleet_logs"), prepared_triton
     )
     yield f
-    for servers in f.values():
-        for s in servers:
-            s.stop()
+    stop_fleet(f)
 
 
 def gateway_config(

@@ -15,7 +15,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from exporter.pipeline import export_artifact
-from tests.gateway.conftest import gateway_config, start_fleet, wait_until
+from tests.gateway.conftest import gateway_config, start_fleet, stop_fleet, wait_until
 
 SECRET = "0123456789abcdef-test-secret"
 
@@ -219,5 +219,4 @@ def test_new_model_version_is_never_served_a_stale_entry(
         state, body = _cache_header(gw.http, x)
         assert state == "hit" and body["model_version"] == "2"
     finally:
-        for s in fleet["us-east"]:
-            s.stop()
+        stop_fleet(fleet)

@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from skewserve.triton_process import TritonServer, TritonServerSpec
-from tests.gateway.conftest import gateway_config, start_fleet, wait_until
+from tests.gateway.conftest import gateway_config, start_fleet, stop_fleet, wait_until
 
 X = np.random.default_rng(9).standard_normal((2, 8)).astype(np.float32)
 
@@ -28,9 +28,7 @@ def fragile_fleet(gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, 
         gateway_repo, {"us-east": 2, "eu-west": 1}, tmp_path_factory.mktemp("fragile"), prepared_triton
     )
     yield f
-    for servers in f.values():
-        for s in servers:
-            s.stop()
+    stop_fleet(f)
 
 
 class Load:
@@ -210,9 +208,7 @@ def test_unloaded_model_gets_no_requests_and_pinned_region_without_it_is_503(
             == "no server in region 'us-east' has model 'lt_nocache' ready"
         )
     finally:
-        for servers in fleet.values():
-            for s in servers:
-                s.stop()
+        stop_fleet(fleet)
 
 
 def test_sigterm_drains_not_ready_first_then_exits(fleet, make_gateway) -> None:

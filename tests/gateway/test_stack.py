@@ -5,8 +5,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 
 from skewserve.stack import StackConfigError, load_stack_config
+from tests.process_helpers import read_until, start_cli
 
 
 @pytest.mark.slow
@@ -29,29 +28,8 @@ def test_up_serves_through_the_gateway_and_stops_everything(gateway_repo: Path, 
             }
         )
     )
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "skewserve.cli",
-            "up",
-            "--config",
-            str(cfg),
-            "--log-dir",
-            str(tmp_path / "logs"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    text = ""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and "press Ctrl-C" not in text:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        text += line
+    proc = start_cli("up", "--config", str(cfg), "--log-dir", str(tmp_path / "logs"))
+    text = read_until(proc, "press Ctrl-C")
     m = re.search(
         r"gateway\s+│\s+eu-west \(home\)\s+│\s+gateway\s+│\s+http://[\d.]+:\d+\s+│\s+([\d.]+:\d+)", text
     )

@@ -6,11 +6,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import tritonclient.http as httpclient
+
+from tests.process_helpers import read_until, start_cli
 
 SKEWSERVE = [sys.executable, "-m", "skewserve.cli"]
 
@@ -22,35 +23,19 @@ def test_help_shows_the_product_shape() -> None:
 
 
 def test_triton_up_serves_until_interrupted(affine_repo: Path, tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [
-            *SKEWSERVE,
-            "triton",
-            "up",
-            "--repo",
-            str(affine_repo),
-            "--regions",
-            "us-east,eu-west",
-            "--per-region",
-            "1",
-            "--log-dir",
-            str(tmp_path / "logs"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc = start_cli(
+        "triton",
+        "up",
+        "--repo",
+        str(affine_repo),
+        "--regions",
+        "us-east,eu-west",
+        "--per-region",
+        "1",
+        "--log-dir",
+        str(tmp_path / "logs"),
     )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "press Ctrl-C" in line:
-            break
-    text = "".join(lines)
+    text = read_until(proc, "press Ctrl-C")
     urls = re.findall(r"http://127\.0\.0\.1:(\d+)\s", text)
     assert "us-east" in text and "eu-west" in text, text
     assert len(urls) >= 2, text
