@@ -168,7 +168,13 @@ class HttpFront:
                     f"request body of {int(content_length)} bytes exceeds the limit of {self.max_bytes}"
                 )
             body = await self._read_body(receive)
-            hl = int(header_length) if header_length is not None else None
+            try:
+                hl = int(header_length) if header_length is not None else None
+            except ValueError:
+                shown = (header_length or b"").decode("latin-1")
+                raise BadRequest(
+                    f"Inference-Header-Content-Length must be an integer, got {shown!r}"
+                ) from None
             parsed = None
             if self.max_batch:
                 parsed, _ = split_request(body, hl)

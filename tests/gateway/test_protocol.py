@@ -225,3 +225,18 @@ def test_http_health_probes_when_configured(fleet, make_gateway) -> None:
     assert all(s["available"] and s["models"].get("lt") == ["1"] for s in state["servers"])
     assert _http_infer(gw.http, "lt_nocache", True).as_numpy("label").shape == (4, 1)
     assert _grpc_infer(gw.grpc, "lt_nocache").as_numpy("label").shape == (4, 1)
+
+
+def test_malformed_binary_header_length_is_a_400(shared_gateway) -> None:
+    req = urllib.request.Request(
+        f"http://{shared_gateway.http}/v2/models/lt_nocache/infer",
+        data=b"{}",
+        headers={"Inference-Header-Content-Length": "ten"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=5)
+    assert info.value.code == 400
+    assert (
+        json.loads(info.value.read())["error"]
+        == "Inference-Header-Content-Length must be an integer, got 'ten'"
+    )
