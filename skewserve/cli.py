@@ -148,6 +148,37 @@ def data_synth(
     console.print(f"training class sizes: {sizes} (ratio {sizes[0] / sizes[-1]:.0f})")
 
 
+@data_app.command("inspect")
+def data_inspect(
+    data: Path = typer.Option(..., "--data", help="Directory with train/val[/test] .parquet or .csv."),
+    label: str = typer.Option("label", "--label"),
+) -> None:
+    """Validate a data set as training would, and show each split's class counts and imbalance."""
+    import numpy as np
+
+    from training.data import load_data_dir
+    from training.errors import DataError
+
+    try:
+        ds = load_data_dir(data, label)
+    except DataError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    splits = {"train": ds.train, "val": ds.val, **({"test": ds.test} if ds.test is not None else {})}
+    table = Table(title=f"{data}: {len(ds.feature_names)} features, {len(ds.classes)} classes")
+    table.add_column("class")
+    for name in splits:
+        table.add_column(name, justify="right")
+    counts = {name: np.bincount(split.labels, minlength=len(ds.classes)) for name, split in splits.items()}
+    for i, cls in enumerate(ds.classes):
+        table.add_row(cls, *(str(int(c[i])) for c in counts.values()))
+    console.print(table)
+    train = counts["train"]
+    console.print(
+        f"training imbalance ratio (largest/smallest class): {train.max() / max(1, train.min()):.1f}; data hash {ds.data_hash[:12]}"
+    )
+
+
 @app.command("train")
 def train_command(
     data: Path = typer.Option(..., "--data", help="Directory with train/val[/test] .parquet or .csv."),

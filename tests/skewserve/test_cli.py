@@ -18,8 +18,39 @@ SKEWSERVE = [sys.executable, "-m", "skewserve.cli"]
 
 def test_help_shows_the_product_shape() -> None:
     out = subprocess.run([*SKEWSERVE, "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("triton",):
+    for command in ("data", "train", "export", "rollout", "triton", "gateway", "up", "loadtest", "demo"):
         assert command in out
+
+
+def test_data_synth_then_inspect(tmp_path: Path) -> None:
+    synth = subprocess.run(
+        [
+            *SKEWSERVE,
+            "data",
+            "synth",
+            "--out",
+            str(tmp_path),
+            "--classes",
+            "4",
+            "--imbalance-ratio",
+            "20",
+            "--n-max",
+            "200",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "training class sizes: [200, 74, 27, 10] (ratio 20)" in synth.stdout
+    out = subprocess.run(
+        [*SKEWSERVE, "data", "inspect", "--data", str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "imbalance ratio (largest/smallest class): 20.0" in out and "class_03" in out
+    (tmp_path / "val.parquet").unlink()
+    res = subprocess.run(
+        [*SKEWSERVE, "data", "inspect", "--data", str(tmp_path)], capture_output=True, text=True
+    )
+    assert res.returncode == 1 and "has no val.parquet or val.csv" in res.stdout
 
 
 def test_triton_up_serves_until_interrupted(affine_repo: Path, tmp_path: Path) -> None:
