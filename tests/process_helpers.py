@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 
-def start_cli(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+@contextlib.contextmanager
+def cli_process(*args: str) -> Iterator[subprocess.Popen[str]]:
+    """Run `skewserve ARGS`; however the test ends, Ctrl-C it so it stops the servers it started."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "skewserve.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
 
 
 def read_until(proc: subprocess.Popen[str], marker: str, timeout_s: float = 120.0) -> str:

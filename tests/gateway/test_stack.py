@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 
 from skewserve.stack import StackConfigError, load_stack_config
-from tests.process_helpers import read_until, start_cli
+from tests.process_helpers import cli_process, read_until
 
 
 @pytest.mark.slow
@@ -28,24 +28,24 @@ def test_up_serves_through_the_gateway_and_stops_everything(gateway_repo: Path, 
             }
         )
     )
-    proc = start_cli("up", "--config", str(cfg), "--log-dir", str(tmp_path / "logs"))
-    text = read_until(proc, "press Ctrl-C")
-    m = re.search(
-        r"gateway\s+│\s+eu-west \(home\)\s+│\s+gateway\s+│\s+http://[\d.]+:\d+\s+│\s+([\d.]+:\d+)", text
-    )
-    assert m, text
-    client = grpcclient.InferenceServerClient(m.group(1))
-    inp = grpcclient.InferInput("features", [1, 8], "FP32")
-    inp.set_data_from_numpy(np.zeros((1, 8), np.float32))
-    assert client.infer("lt", [inp]).as_numpy("label").shape == (1, 1)
-    proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, rest
-    assert "stopped the gateway and all servers" in rest
-    pids = [int(p) for p in re.findall(r"│\s+(\d{2,})\s+│\n", text)]
-    assert len(pids) == 3, text
-    for pid in pids:
-        assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
+    with cli_process("up", "--config", str(cfg), "--log-dir", str(tmp_path / "logs")) as proc:
+        text = read_until(proc, "press Ctrl-C")
+        m = re.search(
+            r"gateway\s+│\s+eu-west \(home\)\s+│\s+gateway\s+│\s+http://[\d.]+:\d+\s+│\s+([\d.]+:\d+)", text
+        )
+        assert m, text
+        client = grpcclient.InferenceServerClient(m.group(1))
+        inp = grpcclient.InferInput("features", [1, 8], "FP32")
+        inp.set_data_from_numpy(np.zeros((1, 8), np.float32))
+        assert client.infer("lt", [inp]).as_numpy("label").shape == (1, 1)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, rest
+        assert "stopped the gateway and all servers" in rest
+        pids = [int(p) for p in re.findall(r"│\s+(\d{2,})\s+│\n", text)]
+        assert len(pids) == 3, text
+        for pid in pids:
+            assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
 
 
 def test_stack_config_errors_name_the_field(tmp_path: Path) -> None:

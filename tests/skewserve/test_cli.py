@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.http as httpclient
 
-from tests.process_helpers import read_until, start_cli
+from tests.process_helpers import cli_process, read_until
 
 SKEWSERVE = [sys.executable, "-m", "skewserve.cli"]
 
@@ -54,7 +54,7 @@ def test_data_synth_then_inspect(tmp_path: Path) -> None:
 
 
 def test_triton_up_serves_until_interrupted(affine_repo: Path, tmp_path: Path) -> None:
-    proc = start_cli(
+    with cli_process(
         "triton",
         "up",
         "--repo",
@@ -65,20 +65,20 @@ def test_triton_up_serves_until_interrupted(affine_repo: Path, tmp_path: Path) -
         "1",
         "--log-dir",
         str(tmp_path / "logs"),
-    )
-    text = read_until(proc, "press Ctrl-C")
-    urls = re.findall(r"http://127\.0\.0\.1:(\d+)\s", text)
-    assert "us-east" in text and "eu-west" in text, text
-    assert len(urls) >= 2, text
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{urls[0]}")
-    x = np.ones((1, 4), dtype=np.float32)
-    inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
-    inp.set_data_from_numpy(x)
-    np.testing.assert_array_equal(client.infer("affine", [inp]).as_numpy("OUTPUT0"), x * 2 + 1)
-    proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0
-    assert "stopped all servers" in rest
+    ) as proc:
+        text = read_until(proc, "press Ctrl-C")
+        urls = re.findall(r"http://127\.0\.0\.1:(\d+)\s", text)
+        assert "us-east" in text and "eu-west" in text, text
+        assert len(urls) >= 2, text
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{urls[0]}")
+        x = np.ones((1, 4), dtype=np.float32)
+        inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+        inp.set_data_from_numpy(x)
+        np.testing.assert_array_equal(client.infer("affine", [inp]).as_numpy("OUTPUT0"), x * 2 + 1)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0
+        assert "stopped all servers" in rest
 
 
 def test_triton_up_rejects_empty_regions(affine_repo: Path) -> None:
