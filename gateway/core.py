@@ -158,6 +158,18 @@ class Gateway:
                 return await self.dispatcher.send(model, version, None, deadline, attempt, route_any=True)
             raise
 
+    async def send_metadata(
+        self, model: str, version: str, pinned: str | None, deadline: float, attempt: Attempt[T]
+    ) -> Outcome[T]:
+        """Health/metadata/config calls: a server with the model ready if there is one, else any
+        server, so "unknown model" and "not ready" come back in Triton's own words."""
+        if model:
+            try:
+                return await self.send(model, version, pinned, deadline, attempt)
+            except NoReadyServer:
+                pass
+        return await self.dispatcher.send(model, version, None, deadline, attempt, route_any=True)
+
     def cache_enabled(self, model: str) -> bool:
         return self.cache is not None and (self._cache_all or model in self._cache_models)
 

@@ -18,7 +18,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from gateway.cache import cache_key_async
 from gateway.core import Gateway
-from gateway.errors import BadRequest, GatewayError, NoReadyServer, grpc_code_for
+from gateway.errors import BadRequest, GatewayError, grpc_code_for
 from gateway.upstream import UpstreamServer
 
 logger = logging.getLogger(__name__)
@@ -120,15 +120,7 @@ class GrpcFront:
             async def attempt(server: UpstreamServer, timeout_s: float) -> bytes:
                 return await server.grpc_call(method, request, timeout_s, (("x-request-id", request_id),))
 
-            if not model:
-                outcome = await self.gw.dispatcher.send("", "", None, deadline, attempt, route_any=True)
-            else:
-                try:
-                    outcome = await self.gw.send(model, version, md.get(self.region_key), deadline, attempt)
-                except NoReadyServer:
-                    outcome = await self.gw.dispatcher.send(
-                        model, version, None, deadline, attempt, route_any=True
-                    )
+            outcome = await self.gw.send_metadata(model, version, md.get(self.region_key), deadline, attempt)
             return outcome.value
         except GatewayError as exc:
             await self._abort(context, exc, request_id)

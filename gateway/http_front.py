@@ -341,12 +341,8 @@ def build_api(gw: Gateway) -> FastAPI:
         async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
             return await server.http_request(b"GET", path, b"", [], timeout_s)
 
-        if model:
-            outcome = await gw.send(
-                model, version, request.headers.get(gw.cfg.routing.region_header), deadline, attempt
-            )
-        else:
-            outcome = await gw.dispatcher.send("", "", None, deadline, attempt, route_any=True)
+        pinned = request.headers.get(gw.cfg.routing.region_header)
+        outcome = await gw.send_metadata(model, version, pinned, deadline, attempt)
         resp = outcome.value
         media = resp.header(b"content-type")
         return Response(
@@ -359,31 +355,13 @@ def build_api(gw: Gateway) -> FastAPI:
             },
         )
 
-    async def model_proxy(request: Request, model: str, version: str = "") -> Response:
-        try:
-            return await proxy(request, model, version)
-        except GatewayError as exc:
-            if exc.http_status != 503:
-                raise
-            # Known but not ready anywhere: let a server that has it say so in Triton's words.
-            deadline = gw.deadline(None)
-            path = request.url.path.encode()
-
-            async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
-                return await server.http_request(b"GET", path, b"", [], timeout_s)
-
-            outcome = await gw.dispatcher.send(model, version, None, deadline, attempt, route_any=True)
-            return Response(
-                outcome.value.body, status_code=outcome.value.status, media_type="application/json"
-            )
-
     @api.get("/v2")
     async def server_metadata(request: Request) -> Response:
         return await proxy(request)
 
     for suffix in ("", "/ready", "/config"):
-        api.add_api_route(f"/v2/models/{{model}}{suffix}", model_proxy, methods=["GET"])
-        api.add_api_route(f"/v2/models/{{model}}/versions/{{version}}{suffix}", model_proxy, methods=["GET"])
+        api.add_api_route(f"/v2/models/{{model}}{suffix}", proxy, methods=["GET"])
+        api.add_api_route(f"/v2/models/{{model}}/versions/{{version}}{suffix}", proxy, methods=["GET"])
 
     @api.get("/admin/upstreams")
     async def upstreams() -> JSONResponse:
