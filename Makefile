@@ -4,25 +4,41 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The stamp is keyed on pyproject.toml, so a dependency change re-installs and nothing else does.
-DEPS_HASH := $(shell sha256sum pyproject.toml | cut -c1-16)
+# Every Python dependency, pinned and hashed (pip-compile over pyproject.toml + requirements.in).
+LOCK := requirements.lock
+# The stamp is keyed on the lock's hash, so a dependency change re-installs and nothing else does.
+DEPS_HASH := $(shell cat $(LOCK) pyproject.toml | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.installed-$(DEPS_HASH)
 APT_STAMP := $(VENV)/.apt-installed
-DEBIAN_PACKAGES := redis-server prometheus
+# pip-tools lives in its own venv so that it is not part of what the lock describes.
+TOOLS := .venv-tools
+PIP_TOOLS := pip-tools==7.6.2
+# `make test-latest` resolves the newest versions pyproject.toml allows into this venv.
+VENV_LATEST := .venv-latest
+# torch's CPU build comes from this machine's pip configuration (find-links); same pin as the lock's.
+TORCH_PIN := $(shell grep -E '^torch==' requirements.in)
 PYTEST_ARGS ?=
+LOCK_ARGS ?=
 
-.PHONY: setup demo test lint bench-training bench-gateway clean
+.PHONY: setup demo test test-latest lock lock-upgrade lint bench-training bench-gateway clean
 
 setup: $(STAMP) $(APT_STAMP)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	# torch first, from the CPU build on disk, so the project's range installs nothing bigger.
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+$(STAMP): $(LOCK) pyproject.toml | $(BIN)/python
+	# Exactly the locked versions, each checked against its hash (torch's CPU wheel included);
+	# --no-deps because the lock is complete, so pip resolves nothing on its own.
+	$(BIN)/python -m pip install --quiet --require-hashes --no-deps -r $(LOCK)
+	# An earlier lock may have installed packages this one no longer names: remove them.
+	extra=$$(comm -23 \
+	  <($(BIN)/python -m pip freeze --all --exclude-editable | sed -E 's/[=@ ].*//' | tr 'A-Z_.' 'a-z--' | sort -u) \
+	  <(grep -E '^[a-zA-Z0-9]' $(LOCK) | sed -E 's/[=@ ].*//' | tr 'A-Z_.' 'a-z--' | sort -u)); \
+	if [ -n "$$extra" ]; then echo "removing packages the lock does not name:" $$extra; \
+	  $(BIN)/python -m pip uninstall --quiet -y $$extra; fi
+	# The project itself, built by the locked setuptools.
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -47,6 +63,36 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
+# The suite against the newest versions pyproject.toml allows (torch stays the CPU build), in a fresh
+# venv of its own, so drift shows up here before a fresh install meets it. The lock check is the one
+# test that must differ there.
+test-latest: $(APT_STAMP)
+	rm -rf $(VENV_LATEST)
+	$(PYTHON) -m venv $(VENV_LATEST)
+	$(VENV_LATEST)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_LATEST)/bin/python -m pip install --quiet '$(TORCH_PIN)'
+	$(VENV_LATEST)/bin/python -m pip install --quiet -e '.[dev]'
+	@echo "versions that differ from $(LOCK) (locked -> latest):"
+	@join -j1 -o 1.2,2.2,0 \
+	  <(grep -E '^[a-zA-Z0-9]' $(LOCK) | sed -E 's/ .*//; s/==/ /' | tr 'A-Z_.' 'a-z--' | sort) \
+	  <($(VENV_LATEST)/bin/python -m pip freeze --all --exclude-editable | sed -E 's/==/ /' | tr 'A-Z_.' 'a-z--' | sort) \
+	  | awk '$$1 != $$2 {print "  " $$3 " " $$1 " -> " $$2}'
+	$(VENV_LATEST)/bin/python -m pytest -q -ra --deselect tests/test_lock.py::test_installed_versions_are_the_locked_ones $(PYTEST_ARGS)
+
+$(TOOLS)/bin/pip-compile:
+	$(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install --quiet --upgrade pip '$(PIP_TOOLS)'
+
+# Re-resolve after a change to pyproject.toml or requirements.in; versions already locked are kept
+# where they still fit, so adding one dependency does not upgrade the others. `make lock-upgrade`
+# moves everything to the newest allowed versions.
+lock: | $(TOOLS)/bin/pip-compile
+	CUSTOM_COMPILE_COMMAND="make lock" $(TOOLS)/bin/pip-compile --quiet --extra dev --generate-hashes --allow-unsafe --strip-extras \
+	  --no-emit-index-url --no-emit-find-links $(LOCK_ARGS) --output-file $(LOCK) pyproject.toml requirements.in
+
+lock-upgrade:
+	$(MAKE) lock LOCK_ARGS=--upgrade
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -59,4 +105,4 @@ bench-gateway: setup
 	$(BIN)/python benchmarks/gateway_bench.py
 
 clean:
-	rm -rf $(VENV) runs demo-output .pytest_cache
+	rm -rf $(VENV) $(VENV_LATEST) $(TOOLS) runs demo-output .pytest_cache
