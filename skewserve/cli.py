@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from skewserve.output import console, error, notice, say, text
+
+# Help is plain text, never Rich markup: help strings such as "train/val[/test]" must print as
+# written (with markup on, newer typer/rich releases crash on them: MarkupError '[/test]').
+HELP_MARKUP = None
 
 app = typer.Typer(
     help=(
@@ -23,19 +29,26 @@ app = typer.Typer(
     ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=HELP_MARKUP,
 )
-triton_app = typer.Typer(help="Run real tritonserver processes locally (CPU profile).", no_args_is_help=True)
+triton_app = typer.Typer(
+    help="Run real tritonserver processes locally (CPU profile).",
+    no_args_is_help=True,
+    rich_markup_mode=HELP_MARKUP,
+)
 app.add_typer(triton_app, name="triton")
 gateway_app = typer.Typer(
-    help="The multi-region KServe v2 gateway (HTTP + gRPC).", invoke_without_command=True
+    help="The multi-region KServe v2 gateway (HTTP + gRPC).",
+    invoke_without_command=True,
+    rich_markup_mode=HELP_MARKUP,
 )
 app.add_typer(gateway_app, name="gateway")
 data_app = typer.Typer(
-    help="Data sets: generate long-tailed data, inspect class balance.", no_args_is_help=True
+    help="Data sets: generate long-tailed data, inspect class balance.",
+    no_args_is_help=True,
+    rich_markup_mode=HELP_MARKUP,
 )
 app.add_typer(data_app, name="data")
-# Wide enough when piped (tests, logs) that endpoint URLs are never cut.
-console = Console(width=None if Console().is_terminal else 200)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -92,21 +105,23 @@ def triton_up(
         with console.status(f"starting {len(fleet.servers)} tritonserver process(es)"):
             fleet.start()
     except (SkewserveError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        error(exc)
         raise typer.Exit(1) from exc
     table = Table(title="tritonserver endpoints")
     for col in ("region", "server", "http", "grpc", "metrics", "pid"):
         table.add_column(col, no_wrap=True)
     for s in fleet.servers:
-        table.add_row(s.spec.region, s.spec.name, s.http_url, s.grpc_address, s.metrics_url, str(s.pid))
+        table.add_row(
+            *map(text, (s.spec.region, s.spec.name, s.http_url, s.grpc_address, s.metrics_url, s.pid))
+        )
     console.print(table)
-    console.print(f"logs: {log_dir}")
-    console.print("serving; press Ctrl-C to stop")
+    say(f"logs: {log_dir}")
+    say("serving; press Ctrl-C to stop")
     try:
         wait_for_interrupt()
     finally:
         fleet.stop()
-        console.print("stopped all servers")
+        say("stopped all servers")
 
 
 @data_app.command("synth")
@@ -140,12 +155,12 @@ def data_synth(
             seed=seed,
         )
     except ValidationError as exc:
-        console.print(f"[red]error:[/red] {exc.errors()[0]['msg']}")
+        error(exc.errors()[0]["msg"])
         raise typer.Exit(2) from exc
     paths = write(spec, out)
     sizes = spec.class_sizes()
-    console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
-    console.print(f"training class sizes: {sizes} (ratio {sizes[0] / sizes[-1]:.0f})")
+    say(f"wrote {', '.join(str(p) for p in paths.values())}")
+    say(f"training class sizes: {sizes} (ratio {sizes[0] / sizes[-1]:.0f})")
 
 
 @data_app.command("inspect")
@@ -162,19 +177,19 @@ def data_inspect(
     try:
         ds = load_data_dir(data, label)
     except DataError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        error(exc)
         raise typer.Exit(1) from exc
     splits = {"train": ds.train, "val": ds.val, **({"test": ds.test} if ds.test is not None else {})}
-    table = Table(title=f"{data}: {len(ds.feature_names)} features, {len(ds.classes)} classes")
+    table = Table(title=text(f"{data}: {len(ds.feature_names)} features, {len(ds.classes)} classes"))
     table.add_column("class")
     for name in splits:
         table.add_column(name, justify="right")
     counts = {name: np.bincount(split.labels, minlength=len(ds.classes)) for name, split in splits.items()}
     for i, cls in enumerate(ds.classes):
-        table.add_row(cls, *(str(int(c[i])) for c in counts.values()))
+        table.add_row(text(cls), *(str(int(c[i])) for c in counts.values()))
     console.print(table)
     train = counts["train"]
-    console.print(
+    say(
         f"training imbalance ratio (largest/smallest class): {train.max() / max(1, train.min()):.1f}; data hash {ds.data_hash[:12]}"
     )
 
@@ -249,18 +264,18 @@ def train_command(
         )
     except ValidationError as exc:
         err = exc.errors()[0]
-        console.print(f"[red]error:[/red] {'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}")
+        error(f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}")
         raise typer.Exit(2) from exc
     try:
         meta = train(cfg)
     except (TrainingError, ValueError, RuntimeError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        error(exc)
         raise typer.Exit(1) from exc
     print_training_summary(meta, out)
 
 
 def print_training_summary(meta: dict, out: Path) -> None:
-    table = Table(title=f"artifact {out}")
+    table = Table(title=text(f"artifact {out}"))
     table.add_column("split")
     for col in ("balanced acc", "macro-F1", "accuracy"):
         table.add_column(col, justify="right")
@@ -268,7 +283,7 @@ def print_training_summary(meta: dict, out: Path) -> None:
         table.add_row(split, f"{m['balanced_accuracy']:.4f}", f"{m['macro_f1']:.4f}", f"{m['accuracy']:.4f}")
     console.print(table)
     prov = meta["provenance"]
-    console.print(
+    say(
         f"epochs {prov['epochs_run']} (best {prov['best_epoch']}), world size {prov['world_size']}, "
         f"mean epoch {prov['mean_epoch_wall_s'] * 1000:.0f} ms, mean rank imbalance {prov['mean_imbalance_ratio']:.2f}"
     )
@@ -299,7 +314,7 @@ def export_command(
     _setup_logging(False)
     logging.getLogger("onnx_ir").setLevel(logging.WARNING)
     try:
-        with console.status(f"exporting {artifact} as {name}"):
+        with console.status(text(f"exporting {artifact} as {name}")):
             result = export_artifact(
                 artifact,
                 repo,
@@ -310,15 +325,13 @@ def export_command(
                 options=ConfigOptions(max_batch_size=max_batch, response_cache=response_cache),
             )
     except (ExportError, FileNotFoundError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        error(exc)
         raise typer.Exit(1) from exc
-    for notice in result.notices:
-        console.print(f"[yellow]notice:[/yellow] {notice}")
+    for line in result.notices:
+        notice(line)
     for report in result.parity:
-        console.print(f"parity {report.summary()}")
-    console.print(
-        f"published {result.published.name} version {result.published.version} at {result.published.path}"
-    )
+        say(f"parity {report.summary()}")
+    say(f"published {result.published.name} version {result.published.version} at {result.published.path}")
 
 
 @app.command("rollout")
@@ -359,10 +372,10 @@ def rollout_command(
     try:
         done = rollout(name, version, urls, repo, ready_timeout_s=ready_timeout)
     except RolloutError as exc:
-        console.print(f"[red]rollout failed:[/red] {exc}")
+        error(exc, label="rollout failed")
         raise typer.Exit(1) from exc
     for r in done:
-        console.print(
+        say(
             f"{r.server}: version {version} ready in {r.ready_s:.1f}s, canary max |Δp| {r.canary_max_abs_error:.1e} "
             f"(was serving {', '.join(r.previous_versions) or 'nothing'})"
         )
@@ -389,20 +402,53 @@ def gateway_command(
     try:
         cfg = load_gateway_config(config)
     except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        error(exc)
         raise typer.Exit(2) from exc
     configure_logging(cfg.log_json)
     run(cfg)
 
 
+KEY_IN_HISTORY_WARNING = (
+    "a key given on the command line is saved in your shell history; "
+    "omit it to type it at a hidden prompt or pipe it in: skewserve gateway hash-key < key.txt"
+)
+
+
+def read_key_from_stdin() -> str:
+    """The API key on standard input: a hidden prompt on a terminal, else one line from the pipe."""
+    if sys.stdin.isatty():
+        return str(typer.prompt("API key", hide_input=True, err=True))
+    data = sys.stdin.read()
+    # `echo KEY |` and files end in a newline that is not part of the key.
+    key = data[:-1] if data.endswith("\n") else data
+    key = key[:-1] if key.endswith("\r") else key
+    if "\n" in key:
+        error(f"standard input holds {key.count(chr(10)) + 1} lines; give exactly one API key")
+        raise typer.Exit(2)
+    return key
+
+
 @gateway_app.command("hash-key")
 def hash_key_command(
-    key: str = typer.Argument(..., help="The API key to hash for auth.keys[].sha256."),
+    key: str | None = typer.Argument(
+        None,
+        help="The API key to hash for auth.keys[].sha256. Omit it to read the key from standard input "
+        "(a hidden prompt on a terminal), which keeps it out of shell history.",
+        show_default=False,
+    ),
 ) -> None:
     """Print the SHA-256 to put in the config for an API key (the key itself is never stored)."""
     from gateway.auth import hash_key
 
-    print(hash_key(key))
+    if key is not None:
+        notice(KEY_IN_HISTORY_WARNING, label="warning", to_stderr=True)
+    else:
+        key = read_key_from_stdin()
+    if not key:
+        error("the API key is empty; pipe in a key or type one at the prompt")
+        raise typer.Exit(2)
+    # Only the digest goes to stdout, so `$(skewserve gateway hash-key < key.txt)` captures it alone.
+    typer.echo(hash_key(key))
 
 
 @app.command("up")
@@ -420,7 +466,7 @@ def up_command(
     try:
         stack_cfg = load_stack_config(config)
     except StackConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        error(exc)
         raise typer.Exit(2) from exc
     stack = LocalStack(stack_cfg, log_dir)
     try:
@@ -428,15 +474,15 @@ def up_command(
             stack.start()
     except (SkewserveError, OSError, RuntimeError) as exc:
         stack.stop()
-        console.print(f"[red]error:[/red] {exc}")
+        error(exc)
         raise typer.Exit(1) from exc
     try:
         print_stack(stack)
-        console.print("serving; press Ctrl-C to stop")
+        say("serving; press Ctrl-C to stop")
         wait_for_interrupt()
     finally:
         stack.stop()
-        console.print("stopped the gateway and all servers")
+        say("stopped the gateway and all servers")
 
 
 def print_stack(stack: Any) -> None:
@@ -446,14 +492,14 @@ def print_stack(stack: Any) -> None:
     gw_pid = str(stack.gateway_proc.pid) if stack.gateway_proc else "-"
     table.add_row(
         "gateway",
-        stack.config.gateway["home_region"] + " (home)",
+        text(stack.config.gateway["home_region"] + " (home)"),
         "gateway",
-        f"http://{stack.gateway_http}",
-        stack.gateway_grpc,
+        text(f"http://{stack.gateway_http}"),
+        text(stack.gateway_grpc),
         gw_pid,
     )
     for s in stack.fleet.servers:
-        table.add_row("triton", s.spec.region, s.spec.name, s.http_url, s.grpc_address, str(s.pid))
+        table.add_row("triton", *map(text, (s.spec.region, s.spec.name, s.http_url, s.grpc_address, s.pid)))
     console.print(table)
 
 
@@ -517,17 +563,17 @@ def loadtest_command(
             ),
         )
     except Exception as exc:  # bad options or an unreachable target: say which
-        console.print(f"[red]error:[/red] {exc}")
+        error(exc)
         raise typer.Exit(2) from exc
-    with console.status(f"locust: {users} {protocol} users, {shape} shape, {seconds:.0f}s"):
+    with console.status(text(f"locust: {users} {protocol} users, {shape} shape, {seconds:.0f}s")):
         try:
             result = run_loadtest(spec)
         except RuntimeError as exc:
-            console.print(f"[red]error:[/red] {exc}")
+            error(exc)
             raise typer.Exit(1) from exc
     print_loadtest(result)
     if result.breaches:
-        console.print(f"[red]SLO breached:[/red] {'; '.join(result.breaches)}")
+        error("; ".join(result.breaches), label="SLO breached")
         raise typer.Exit(1)
 
 
@@ -537,7 +583,7 @@ def print_loadtest(result: Any) -> None:
         table.add_column(col, justify="left" if col == "request" else "right", no_wrap=True)
     for r in [*result.rows, result.total]:
         table.add_row(
-            r.name,
+            text(r.name),
             str(r.requests),
             str(r.failures),
             f"{r.rps:.1f}",
@@ -552,8 +598,8 @@ def print_loadtest(result: Any) -> None:
     if result.spillovers is not None:
         extra.append(f"spill-overs {result.spillovers:.0f}")
     if extra:
-        console.print(", ".join(extra))
-    console.print("files: " + ", ".join(str(p) for p in result.files.values()))
+        say(", ".join(extra))
+    say("files: " + ", ".join(str(p) for p in result.files.values()))
 
 
 @app.command("demo")
@@ -574,11 +620,11 @@ def demo_command(
     try:
         summary = Demo(out, repo, console, load_seconds=load_seconds, epochs=epochs).run()
     except DemoFailed as exc:
-        console.print(f"[red]demo stopped:[/red] {exc}")
+        error(exc, label="demo stopped")
         raise typer.Exit(1) from exc
     (out / "summary.json").write_text(_json.dumps(summary, indent=2))
     if summary["failures"]:
-        console.print(f"[red]{summary['failures']} requests failed during the load[/red]")
+        error(f"{summary['failures']} requests failed during the load")
         raise typer.Exit(1)
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version

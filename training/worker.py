@@ -32,6 +32,7 @@ from training.losses import SkewLoss
 from training.metrics import classification_report
 from training.model import MLPClassifier, ModelSpec, standardisation
 from training.monitor import SkewMonitor, StepRecord
+from training.progress import EpochProgress
 from training.sampler import ClassBalancedSampler
 from training.speed_balance import RankSpeedBalancer, slice_for_rank
 
@@ -280,15 +281,7 @@ class Trainer:
         self.maybe_resume()
         bar = None
         if self.rank == 0 and cfg.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=cfg.epochs * self.steps_per_epoch,
-                initial=self.start_epoch * self.steps_per_epoch,
-                desc="train",
-                unit="step",
-                file=sys.stderr,
-            )
+            bar = EpochProgress(cfg.epochs, self.steps_per_epoch, self.start_epoch, sys.stderr)
         fault_epoch = int(os.environ.get(FAULT_ENV, "-1"))
         for epoch in range(self.start_epoch, cfg.epochs):
             # Per-epoch seeding makes dropout masks a function of (seed, epoch, rank): resume replays exactly.
@@ -302,7 +295,7 @@ class Trainer:
                 loss_sum += loss
                 self.monitor.record(rec, self.data.train.labels[idx])
                 if bar is not None:
-                    bar.update(1)
+                    bar.step()
             wall = time.monotonic() - start
             val = evaluate(self.model, self.data.val, self.data.classes)
             improved = val["balanced_accuracy"] > self.best_bacc
@@ -323,11 +316,8 @@ class Trainer:
             )
             self.history.append(summary)
             if bar is not None:
-                bar.set_postfix(
-                    epoch=epoch,
-                    loss=f"{summary['train_loss']:.3f}",
-                    val_bacc=f"{val['balanced_accuracy']:.3f}",
-                    imbalance=f"{summary['imbalance_ratio']:.2f}",
+                bar.end_epoch(
+                    epoch, summary["train_loss"], val["balanced_accuracy"], summary["imbalance_ratio"]
                 )
             self._checkpoint(epoch)
             if epoch == fault_epoch:
