@@ -180,7 +180,9 @@ def data_inspect(
         error(exc)
         raise typer.Exit(1) from exc
     splits = {"train": ds.train, "val": ds.val, **({"test": ds.test} if ds.test is not None else {})}
-    table = Table(title=text(f"{data}: {len(ds.feature_names)} features, {len(ds.classes)} classes"))
+    # A line of its own, not the table's title: a title wraps to the table's width and cuts the path.
+    say(f"{data}: {len(ds.feature_names)} features, {len(ds.classes)} classes")
+    table = Table()
     table.add_column("class")
     for name in splits:
         table.add_column(name, justify="right")
@@ -275,7 +277,8 @@ def train_command(
 
 
 def print_training_summary(meta: dict, out: Path) -> None:
-    table = Table(title=text(f"artifact {out}"))
+    say(f"artifact {out}")
+    table = Table()
     table.add_column("split")
     for col in ("balanced acc", "macro-F1", "accuracy"):
         table.add_column(col, justify="right")
@@ -312,7 +315,9 @@ def export_command(
     from exporter.triton_config import ConfigOptions
 
     _setup_logging(False)
-    logging.getLogger("onnx_ir").setLevel(logging.WARNING)
+    # onnx_ir and onnxscript's optimizer log each graph rewrite at INFO: noise for a person exporting.
+    for noisy in ("onnx_ir", "onnxscript"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         with console.status(text(f"exporting {artifact} as {name}")):
             result = export_artifact(
