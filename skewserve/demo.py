@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 T = TypeVar("T")
@@ -110,7 +111,7 @@ class Demo:
 
         spec = SynthSpec(n_classes=10, imbalance_ratio=100, seed=0)
         write(spec, data)
-        self.console.print(f"training class sizes {spec.class_sizes()} -> {data}")
+        self.console.print(f"training class sizes {spec.class_sizes()} -> {escape(str(data))}")
 
     def _train(self, data: Path, artifact: Path) -> dict[str, Any]:
         from training.config import TrainConfig
@@ -141,14 +142,14 @@ class Demo:
                     raise
                 # The gate working as meant: a model with near-tied classes flips arg-maxes in FP16.
                 self.console.print(
-                    f"  [yellow]{name}: the FP16 parity gate refused this model[/yellow] ({exc}); "
+                    f"  [yellow]{name}: the FP16 parity gate refused this model[/yellow] ({escape(str(exc))}); "
                     "publishing the cold model in FP32 instead"
                 )
                 result = export_artifact(artifact, self.repo, name, precision="fp32", tensorrt="auto")
             for r in result.parity:
                 self.console.print(f"  {name}: parity {r.summary()}")
             for notice in result.notices:
-                self.console.print(f"  [yellow]notice:[/yellow] {notice}")
+                self.console.print(f"  [yellow]notice:[/yellow] {escape(notice)}")
             out[name] = result.published.version
             self.console.print(f"  published {name} version {result.published.version}")
         return out
@@ -245,7 +246,9 @@ class Demo:
         for name, count in zip(meta["classes"], meta["class_counts"], strict=True):
             recall.add_row(name, str(count), f"{metrics['per_class'][name]['recall']:.3f}")
         self.console.print(recall)
-        self.console.print(f"report: {load.files['html']}, latency plot: {load.files['png']}")
+        self.console.print(
+            f"report: {escape(str(load.files['html']))}, latency plot: {escape(str(load.files['png']))}"
+        )
         return {
             "requests": load.total.requests,
             "failures": load.total.failures,

@@ -45,7 +45,9 @@ def test_every_locked_line_is_pinned_and_hashed() -> None:
     text = LOCK.read_text()
     pins = locked_versions()
     # Each requirement line pins one version and is followed by at least one hash.
-    blocks = re.findall(r"^([A-Za-z0-9][^\n]*?) \\\n((?:    --hash=sha256:[0-9a-f]{64}(?: \\)?\n)+)", text, re.M)
+    blocks = re.findall(
+        r"^([A-Za-z0-9][^\n]*?) \\\n((?:    --hash=sha256:[0-9a-f]{64}(?: \\)?\n)+)", text, re.M
+    )
     assert {canonicalize_name(b[0].split("==")[0]) for b in blocks} == set(pins)
     assert len(pins) > 50, f"{LOCK} names only {len(pins)} packages"
     assert pins["torch"].endswith("+cpu"), f"torch is locked at {pins['torch']}, not the CPU build"
@@ -55,7 +57,9 @@ def test_installed_versions_are_the_locked_ones() -> None:
     locked, installed = locked_versions(), installed_versions()
     missing = {n: v for n, v in locked.items() if n not in installed}
     extra = {n: v for n, v in installed.items() if n not in locked}
-    different = {n: f"{installed[n]} (locked {v})" for n, v in locked.items() if n in installed and installed[n] != v}
+    different = {
+        n: f"{installed[n]} (locked {v})" for n, v in locked.items() if n in installed and installed[n] != v
+    }
     assert not (missing or extra or different), (
         f"this environment is not {LOCK.name}: missing {missing}, not locked {extra}, "
         f"other versions {different}; run `make setup` to install the lock "

@@ -16,13 +16,24 @@ from tests.process_helpers import cli_process, read_until
 SKEWSERVE = [sys.executable, "-m", "skewserve.cli"]
 
 
-def test_help_shows_the_product_shape() -> None:
-    out = subprocess.run([*SKEWSERVE, "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("data", "train", "export", "rollout", "triton", "gateway", "up", "loadtest", "demo"):
-        assert command in out
+def test_help_lists_exactly_the_products_commands() -> None:
+    res = subprocess.run([*SKEWSERVE, "--help"], capture_output=True, text=True, check=True)
+    commands = res.stdout.split("\nCommands:\n", 1)[1]
+    names = [line.split()[0] for line in commands.splitlines() if line.strip()]
+    assert names == ["train", "export", "rollout", "up", "loadtest", "demo", "triton", "gateway", "data"]
+    assert "  triton    Run real tritonserver processes locally (CPU profile).\n" in commands
+    assert "  data      Data sets: generate long-tailed data, inspect class balance.\n" in commands
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of each row (header included) of the Rich tables in `text`."""
+    rows = [re.split(r"[│┃]", line)[1:-1] for line in text.splitlines() if line[:1] in "│┃"]
+    return [[cell.strip() for cell in row] for row in rows]
 
 
 def test_data_synth_then_inspect(tmp_path: Path) -> None:
+    from training.data import load_data_dir
+
     synth = subprocess.run(
         [
             *SKEWSERVE,
@@ -41,16 +52,36 @@ def test_data_synth_then_inspect(tmp_path: Path) -> None:
         text=True,
         check=True,
     )
-    assert "training class sizes: [200, 74, 27, 10] (ratio 20)" in synth.stdout
+    assert synth.stdout.splitlines() == [
+        f"wrote {tmp_path}/train.parquet, {tmp_path}/val.parquet, {tmp_path}/test.parquet",
+        "training class sizes: [200, 74, 27, 10] (ratio 20)",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "dataset.json",
+        "test.parquet",
+        "train.parquet",
+        "val.parquet",
+    ]
     out = subprocess.run(
         [*SKEWSERVE, "data", "inspect", "--data", str(tmp_path)], capture_output=True, text=True, check=True
     ).stdout
-    assert "imbalance ratio (largest/smallest class): 20.0" in out and "class_03" in out
+    lines = out.splitlines()
+    assert lines[0] == f"{tmp_path}: 16 features, 4 classes"
+    # Long-tailed training split, balanced validation and test splits (the long-tail protocol).
+    assert table_rows(out) == [
+        ["class", "train", "val", "test"],
+        ["class_00", "200", "100", "200"],
+        ["class_01", "74", "100", "200"],
+        ["class_02", "27", "100", "200"],
+        ["class_03", "10", "100", "200"],
+    ]
+    data_hash = load_data_dir(tmp_path, "label").data_hash[:12]
+    assert lines[-1] == f"training imbalance ratio (largest/smallest class): 20.0; data hash {data_hash}"
     (tmp_path / "val.parquet").unlink()
     res = subprocess.run(
         [*SKEWSERVE, "data", "inspect", "--data", str(tmp_path)], capture_output=True, text=True
     )
-    assert res.returncode == 1 and "has no val.parquet or val.csv" in res.stdout
+    assert (res.returncode, res.stdout) == (1, f"error: {tmp_path} has no val.parquet or val.csv\n")
 
 
 def test_triton_up_serves_until_interrupted(affine_repo: Path, tmp_path: Path) -> None:
@@ -67,18 +98,28 @@ def test_triton_up_serves_until_interrupted(affine_repo: Path, tmp_path: Path) -
         str(tmp_path / "logs"),
     ) as proc:
         text = read_until(proc, "press Ctrl-C")
-        urls = re.findall(r"http://127\.0\.0\.1:(\d+)\s", text)
-        assert "us-east" in text and "eu-west" in text, text
-        assert len(urls) >= 2, text
-        client = httpclient.InferenceServerClient(f"127.0.0.1:{urls[0]}")
-        x = np.ones((1, 4), dtype=np.float32)
-        inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
-        inp.set_data_from_numpy(x)
-        np.testing.assert_array_equal(client.infer("affine", [inp]).as_numpy("OUTPUT0"), x * 2 + 1)
+        rows = table_rows(text)
+        assert rows[0] == ["region", "server", "http", "grpc", "metrics", "pid"], text
+        assert [row[0] for row in rows[1:]] == ["us-east", "eu-west"], text
+        for _region, _name, http, grpc, metrics, pid in rows[1:]:
+            assert re.fullmatch(r"http://127\.0\.0\.1:\d+", http), http
+            assert re.fullmatch(r"127\.0\.0\.1:\d+", grpc), grpc
+            assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", metrics), metrics
+            assert pid.isdigit()
+            # Each listed server answers, with the model it was given.
+            client = httpclient.InferenceServerClient(http.removeprefix("http://"))
+            x = np.ones((1, 4), dtype=np.float32)
+            inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+            inp.set_data_from_numpy(x)
+            np.testing.assert_array_equal(client.infer("affine", [inp]).as_numpy("OUTPUT0"), x * 2 + 1)
+        assert text.splitlines()[-2:] == [f"logs: {tmp_path / 'logs'}", "serving; press Ctrl-C to stop"]
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0
-        assert "stopped all servers" in rest
+        assert rest.splitlines()[-1] == "stopped all servers", rest
+        # Ctrl-C stopped the servers, not only the command.
+        for *_, pid in rows[1:]:
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
 def test_triton_up_rejects_empty_regions(affine_repo: Path) -> None:
@@ -87,5 +128,7 @@ def test_triton_up_rejects_empty_regions(affine_repo: Path) -> None:
         capture_output=True,
         text=True,
     )
-    assert res.returncode != 0
-    assert "give at least one region name" in res.stdout + res.stderr
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr.splitlines()[-1] == (
+        "Error: Invalid value for --regions: give at least one region name, e.g. --regions us-east,eu-west"
+    )
