@@ -3,13 +3,16 @@ a log or CI (no carriage-return redraws), and a key read from standard input."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import pty
 import re
 import select
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -26,9 +29,15 @@ EPOCH_LINE = re.compile(
 def run(
     *args: str, stdin: str | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*SKEWSERVE, *args], input=stdin, capture_output=True, text=True, timeout=600, env=env
+    """Run `skewserve ARGS` with pipes; stdout/stderr decoded as is (text mode would turn '\r' into '\n')."""
+    res = subprocess.run(
+        [*SKEWSERVE, *args],
+        input=None if stdin is None else stdin.encode(),
+        capture_output=True,
+        timeout=600,
+        env=env,
     )
+    return subprocess.CompletedProcess(res.args, res.returncode, res.stdout.decode(), res.stderr.decode())
 
 
 def env_without_ci() -> dict[str, str]:
@@ -112,6 +121,8 @@ def test_training_without_a_terminal_writes_one_line_per_epoch(tiny_data: Path, 
 def run_on_a_terminal(args: list[str], env: dict[str, str], timeout_s: float = 600.0) -> tuple[int, str]:
     """Run `skewserve ARGS` with stdout and stderr on a pseudo-terminal; (exit code, everything shown)."""
     leader, follower = pty.openpty()
+    # A fresh pseudo-terminal is 0x0; give it the size of an ordinary terminal window (rows, cols).
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     proc = subprocess.Popen(
         [*SKEWSERVE, *args], stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, env=env
     )
@@ -148,6 +159,17 @@ def test_training_with_ci_set_writes_lines_even_on_a_terminal(tiny_data: Path, t
     assert "\r" not in shown.replace("\r\n", "\n"), shown  # ...and no bar redraws with a bare CR
     epochs = [EPOCH_LINE.match(line) for line in shown.replace("\r\n", "\n").splitlines()]
     assert [(m[1], m[2]) for m in epochs if m] == [("1", "2"), ("2", "2")], shown
+
+
+def test_training_on_a_terminal_keeps_the_live_bar(tiny_data: Path, tmp_path: Path) -> None:
+    args = ["train", "--data", str(tiny_data), "--out", str(tmp_path / "art"), "--epochs", "2"]
+    args += ["--patience", "0", "--width", "16"]
+    code, shown = run_on_a_terminal(args, env=env_without_ci())
+    assert code == 0, shown
+    # A person at a terminal still gets one bar redrawn in place, and no per-epoch lines.
+    redraws = shown.replace("\r\n", "\n").split("\r")
+    assert len(redraws) > 2 and all(r.startswith("train: ") for r in redraws[1:]), shown
+    assert not any(EPOCH_LINE.match(line) for line in shown.replace("\r\n", "\n").splitlines()), shown
 
 
 def test_export_without_a_terminal_prints_exact_lines(small_artifact: Path, tmp_path: Path) -> None:
