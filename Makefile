@@ -73,9 +73,9 @@ test-latest: $(APT_STAMP)
 	$(VENV_LATEST)/bin/python -m pip install --quiet '$(TORCH_PIN)'
 	$(VENV_LATEST)/bin/python -m pip install --quiet -e '.[dev]'
 	@echo "versions that differ from $(LOCK) (locked -> latest):"
-	@export LC_ALL=C; join -j1 -o 1.2,2.2,0 \
-	  <(grep -E '^[a-zA-Z0-9]' $(LOCK) | sed -E 's/ .*//; s/==/ /' | tr 'A-Z_.' 'a-z--' | sort -k1,1) \
-	  <($(VENV_LATEST)/bin/python -m pip freeze --all --exclude-editable | sed -E 's/==/ /' | tr 'A-Z_.' 'a-z--' | sort -k1,1) \
+	@export LC_ALL=C; norm='{n = tolower($$1); gsub(/[_.]/, "-", n); print n, $$2}'; join -j1 -a1 -a2 -e absent -o 1.2,2.2,0 \
+	  <(grep -E '^[a-zA-Z0-9]' $(LOCK) | sed -E 's/ .*//; s/==/ /' | awk "$$norm" | sort -k1,1) \
+	  <($(VENV_LATEST)/bin/python -m pip freeze --all --exclude-editable | sed -E 's/==/ /' | awk "$$norm" | sort -k1,1) \
 	  | awk '$$1 != $$2 {print "  " $$3 " " $$1 " -> " $$2}'
 	$(VENV_LATEST)/bin/python -m pytest -q -ra --deselect tests/test_lock.py::test_installed_versions_are_the_locked_ones $(PYTEST_ARGS)
 
