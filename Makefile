@@ -32,7 +32,7 @@ $(STAMP): $(LOCK) pyproject.toml | $(BIN)/python
 	# --no-deps because the lock is complete, so pip resolves nothing on its own.
 	$(BIN)/python -m pip install --quiet --require-hashes --no-deps -r $(LOCK)
 	# An earlier lock may have installed packages this one no longer names: remove them.
-	extra=$$(comm -23 \
+	export LC_ALL=C; extra=$$(comm -23 \
 	  <($(BIN)/python -m pip freeze --all --exclude-editable | sed -E 's/[=@ ].*//' | tr 'A-Z_.' 'a-z--' | sort -u) \
 	  <(grep -E '^[a-zA-Z0-9]' $(LOCK) | sed -E 's/[=@ ].*//' | tr 'A-Z_.' 'a-z--' | sort -u)); \
 	if [ -n "$$extra" ]; then echo "removing packages the lock does not name:" $$extra; \
