@@ -24,7 +24,10 @@ def test_up_serves_through_the_gateway_and_stops_everything(gateway_repo: Path, 
             {
                 "repository": str(gateway_repo),
                 "regions": {"us-east": 1, "eu-west": 1},
-                "gateway": {"home_region": "eu-west", "listen": {"http_port": 0, "grpc_port": 0}},
+                "gateway": {
+                    "home_region": "eu-west",
+                    "listen": {"http_port": 0, "grpc_port": 0, "ops_port": 0},
+                },
             }
         )
     )
