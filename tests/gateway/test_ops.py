@@ -84,6 +84,16 @@ def test_admin_and_metrics_are_not_on_the_public_port(secured, path: str) -> Non
         assert b"skewserve_gateway_upstream_available" in public and b"skewserve_gateway_" in ops
 
 
+def test_public_port_answers_404_for_admin_and_metrics_with_keys_configured(fleet, make_gateway) -> None:
+    """Only settings that existed before the ops listener: keys on, and nobody reads the fleet view."""
+    auth = {"keys": [{"name": "user", "sha256": hash_key(USER_KEY)}]}
+    gw = make_gateway(gateway_config(fleet, auth=auth))
+    for path in ("/admin/upstreams", "/metrics", "/v2/models/stats"):
+        status, body = _get(f"http://{gw.http}{path}")
+        assert status in (401, 404), (path, status, body[:200])
+        assert set(json.loads(body)) == {"error"}
+
+
 def test_ops_listener_uses_the_configured_host_and_port(fleet, make_gateway) -> None:
     port = free_port()
     gw = make_gateway(gateway_config(fleet, listen={"ops_port": port, "ops_host": "127.0.0.1"}))
