@@ -21,7 +21,13 @@ from gateway.core import Gateway
 from gateway.errors import BadRequest, GatewayError, grpc_code_for
 from gateway.listen import check_free, refused
 from gateway.request_id import checked_request_id, is_valid_request_id, new_request_id
-from gateway.statistics import gather_statistics, merge_statistics, only_allowed, statistics_servers
+from gateway.statistics import (
+    SERVER_HEADER,
+    gather_statistics,
+    merge_statistics,
+    only_allowed,
+    statistics_servers,
+)
 from gateway.upstream import UpstreamServer
 
 logger = logging.getLogger(__name__)
@@ -176,6 +182,7 @@ class GrpcFront:
                 md.get(self.region_key),
                 self.region_key,
                 gw.clock(),
+                md.get(SERVER_HEADER),
             )
             metadata = (("x-request-id", request_id),)
 

@@ -31,7 +31,13 @@ from gateway.errors import (
 )
 from gateway.ops import metrics_response, require_admin, upstreams_response
 from gateway.request_id import checked_request_id
-from gateway.statistics import gather_statistics, merge_statistics, only_allowed, statistics_servers
+from gateway.statistics import (
+    SERVER_HEADER,
+    gather_statistics,
+    merge_statistics,
+    only_allowed,
+    statistics_servers,
+)
 from gateway.upstream import UpstreamServer
 from gateway.upstream_http import HttpResponse
 
@@ -377,6 +383,7 @@ def build_api(gw: Gateway) -> FastAPI:
             request.headers.get(gw.cfg.routing.region_header),
             gw.cfg.routing.region_header,
             gw.clock(),
+            request.headers.get(SERVER_HEADER),
         )
 
         async def fetch(server: UpstreamServer) -> dict[str, Any]:

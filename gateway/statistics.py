@@ -22,6 +22,8 @@ from gateway.upstream import UpstreamServer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# Pins statistics to one server by name (the name the gateway returns in this same header).
+SERVER_HEADER = "x-skewserve-server"
 
 # Fields that name a thing rather than count it: kept, never added up.
 _TEXT = frozenset({"name", "version", "type"})
@@ -91,11 +93,20 @@ def statistics_servers(
     pinned: str | None,
     region_header: str,
     now: float,
+    server: str | None = None,
 ) -> list[UpstreamServer]:
     """The servers a request for `model` could be routed to now (all available ones for all models).
 
     When none holds the model, one available server, so Triton answers "unknown model" itself.
+    A pinned server (`x-skewserve-server`) is asked alone, whatever its health: its own figures.
     """
+    if server is not None:
+        named = [s for s in servers if s.name == server]
+        if not named:
+            raise BadRequest(
+                f"{SERVER_HEADER} names unknown server {server!r}; servers are {sorted(s.name for s in servers)}"
+            )
+        return named
     if pinned is not None:
         if pinned not in regions:
             raise BadRequest(

@@ -167,6 +167,17 @@ def test_unknown_model_and_pinned_region(small_fleet, make_gateway) -> None:
     assert _summed([_entry(_grpc_stats(gw.grpc, "lt_nocache", **header), "lt_nocache")]) == _summed(
         [_entry(_grpc_stats(b.grpc_address, "lt_nocache"), "lt_nocache")]
     )
+    # Pinned to one server by name: that server's own figures; an unknown name is a 400.
+    one = {"x-skewserve-server": "us-east-0"}
+    assert _summed([_entry(_grpc_stats(gw.grpc, "lt_nocache", **one), "lt_nocache")]) == _summed(
+        [_entry(_grpc_stats(a.grpc_address, "lt_nocache"), "lt_nocache")]
+    )
+    with pytest.raises(InferenceServerException) as bad:
+        _http_stats(gw.http, "lt", **{"x-skewserve-server": "nope"})
+    assert "x-skewserve-server names unknown server 'nope'" in bad.value.message()
+    with pytest.raises(InferenceServerException) as bad:
+        _grpc_stats(gw.grpc, "lt", **{"x-skewserve-region": "mars"})
+    assert bad.value.status() == "StatusCode.INVALID_ARGUMENT"
     # An unknown model: Triton's own answer, in each protocol.
     with pytest.raises(InferenceServerException) as via:
         _http_stats(gw.http, "nope")
