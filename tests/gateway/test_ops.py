@@ -168,15 +168,23 @@ def _write_config(tmp_path: Path, listen: dict, **extra: object) -> Path:
     return path
 
 
-@pytest.mark.parametrize("field", ["http_port", "grpc_port", "ops_port"])
-def test_a_taken_port_fails_with_one_clear_line(tmp_path: Path, field: str) -> None:
+@pytest.mark.parametrize(
+    ("field", "command"),
+    [
+        ("http_port", ["-m", "gateway"]),
+        ("grpc_port", ["-m", "gateway"]),
+        ("ops_port", ["-m", "gateway"]),
+        ("grpc_port", ["-m", "skewserve.cli", "gateway"]),
+    ],
+)
+def test_a_taken_port_fails_with_one_clear_line(tmp_path: Path, field: str, command: list[str]) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        path = _write_config(tmp_path, {field: port})
+        path = _write_config(tmp_path, {field: port}, log_json=False)
         res = subprocess.run(
-            [sys.executable, "-m", "gateway", "--config", str(path)],
+            [sys.executable, *command, "--config", str(path)],
             capture_output=True,
             text=True,
             timeout=60,
