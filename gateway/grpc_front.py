@@ -9,11 +9,12 @@ shared-memory, trace and logging methods answer UNIMPLEMENTED, as for any method
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2 as pb
 
 from gateway.cache import cache_key_async
@@ -31,6 +32,7 @@ from gateway.statistics import (
 from gateway.upstream import UpstreamServer
 
 logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
 SERVICE = "inference.GRPCInferenceService"
 _FORWARD_METADATA = ("x-request-id",)
 
@@ -107,6 +109,14 @@ class GrpcFront:
             deadline = min(deadline, self.gw.clock() + remaining)
         return deadline
 
+    async def _parse(self, cls: type[M], request: bytes, context: grpc.aio.ServicerContext) -> M:
+        """The request message, or INVALID_ARGUMENT naming the message type (never UNKNOWN/INTERNAL)."""
+        try:
+            return cls.FromString(request)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.DESCRIPTOR.name}: {exc}")
+            raise AssertionError("unreachable") from None
+
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, request_id: str) -> None:
         if isinstance(exc, GatewayError):
             message = exc.message
@@ -148,27 +158,27 @@ class GrpcFront:
         return pb.ServerReadyResponse(ready=self.gw.ready()).SerializeToString()
 
     async def model_ready(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        req = pb.ModelReadyRequest.FromString(request)
+        req = await self._parse(pb.ModelReadyRequest, request, context)
         return await self._proxy("ModelReady", request, context, req.name, req.version)
 
     async def server_metadata(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return await self._proxy("ServerMetadata", request, context, "", "")
 
     async def model_metadata(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        req = pb.ModelMetadataRequest.FromString(request)
+        req = await self._parse(pb.ModelMetadataRequest, request, context)
         return await self._proxy("ModelMetadata", request, context, req.name, req.version)
 
     async def model_config(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        req = pb.ModelConfigRequest.FromString(request)
+        req = await self._parse(pb.ModelConfigRequest, request, context)
         return await self._proxy("ModelConfig", request, context, req.name, req.version)
 
     async def model_statistics(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Triton's ModelStatistics, summed across the servers the model is routed to."""
         md = self._metadata(context)
         request_id = ""
+        req = await self._parse(pb.ModelStatisticsRequest, request, context)
         try:
             request_id = checked_request_id(md.get("x-request-id"))
-            req = pb.ModelStatisticsRequest.FromString(request)
             principal = self.gw.auth.authenticate(md.get("authorization"), md.get("x-api-key"))
             if req.name:
                 self.gw.auth.admit(principal, req.name)

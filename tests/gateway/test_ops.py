@@ -253,3 +253,15 @@ def test_keys_never_appear_in_debug_logs(fleet, make_gateway) -> None:
     assert '"level": "debug"' in log  # the run really logged at DEBUG
     for secret in (ADMIN_KEY, USER_KEY, WRONG_KEY):
         assert secret not in log
+
+
+@pytest.mark.parametrize("method", ["ModelMetadata", "ModelConfig", "ModelReady", "ModelStatistics"])
+def test_malformed_grpc_request_messages_are_invalid_argument(shared_gateway, method: str) -> None:
+    with grpc.insecure_channel(shared_gateway.grpc) as channel:
+        call = channel.unary_unary(
+            f"/inference.GRPCInferenceService/{method}", request_serializer=None, response_deserializer=None
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"\xff\xff\xff", timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"malformed {method}Request: ")
