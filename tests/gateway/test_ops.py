@@ -265,3 +265,19 @@ def test_malformed_grpc_request_messages_are_invalid_argument(shared_gateway, me
             call(b"\xff\xff\xff", timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith(f"malformed {method}Request: ")
+
+
+def test_listen_ports_must_differ_and_key_names_be_unique() -> None:
+    from gateway.config import ConfigError, load_gateway_config
+
+    regions = [{"name": "r", "servers": [{"name": "s", "http": "127.0.0.1:1", "grpc": "127.0.0.1:2"}]}]
+    with pytest.raises(ConfigError, match="listen: listen ports must differ"):
+        load_gateway_config(home_region="r", regions=regions, listen={"http_port": 9000, "ops_port": 9000})
+    # 0 = a free port each: several zeros are fine.
+    cfg = load_gateway_config(
+        home_region="r", regions=regions, listen={"http_port": 0, "grpc_port": 0, "ops_port": 0}
+    )
+    assert cfg.listen.ops_port == 0 and cfg.listen.ops_host == "127.0.0.1"
+    keys = [{"name": "a", "sha256": hash_key("k1")}, {"name": "a", "sha256": hash_key("k2"), "admin": True}]
+    with pytest.raises(ConfigError, match=r"auth.keys: key names must be unique, got \['a', 'a'\]"):
+        load_gateway_config(home_region="r", regions=regions, auth={"keys": keys})

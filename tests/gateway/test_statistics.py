@@ -7,6 +7,8 @@ through the gateway, and the gateway's answer must equal the sum of the servers'
 from __future__ import annotations
 
 import json
+import os
+import signal
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -253,3 +255,24 @@ def test_merge_sums_counts_and_keeps_identities() -> None:
             {"name": "m", "version": "2", "inference_count": 1},
         ]
     }
+
+
+def test_a_dead_server_is_left_out_not_a_failure(
+    gateway_repo: Path, tmp_path: Path, prepared_triton: PreparedTriton, make_gateway
+) -> None:
+    """Statistics keep answering while a server is lost: the survivors' sum, and which they are."""
+    fleet = start_fleet(gateway_repo, {"us-east": 1, "eu-west": 1}, tmp_path / "logs", prepared_triton)
+    try:
+        a, b = _servers(fleet)
+        gw = make_gateway(gateway_config(fleet, cache={"backend": "none"}))
+        _http_infer(b.http_address, "lt", 2)
+        assert b.pid is not None
+        os.killpg(b.pid, signal.SIGKILL)  # no drain: it may still look healthy to the gateway
+        for address, fetch in ((gw.http, _http_stats), (gw.grpc, _grpc_stats)):
+            got = _entry(fetch(address, "lt"), "lt")
+            direct = a.http_address if fetch is _http_stats else a.grpc_address
+            assert _summed([got]) == _summed([_entry(fetch(direct, "lt"), "lt")])
+        with urllib.request.urlopen(f"http://{gw.http}/v2/models/lt/stats", timeout=10) as r:
+            assert r.headers["x-skewserve-stats-servers"] == a.spec.name
+    finally:
+        stop_fleet(fleet)
