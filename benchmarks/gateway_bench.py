@@ -114,7 +114,7 @@ class Gateway:
         self.http_port, self.grpc_port = free_port(), free_port()
         cfg: dict = {
             "home_region": next(iter(servers)),
-            "listen": {"http_port": self.http_port, "grpc_port": self.grpc_port},
+            "listen": {"http_port": self.http_port, "grpc_port": self.grpc_port, "ops_port": 0},
             "log_json": True,
             "cache": {"backend": "memory", "models": ["bench_gwcache"]},
             "health": {"interval_s": 0.5},

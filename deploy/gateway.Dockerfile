@@ -16,6 +16,6 @@ FROM python:3.11-slim
 RUN useradd --create-home --uid 10001 skewserve
 COPY --from=build /usr/local /usr/local
 USER skewserve
-EXPOSE 8080 8081
+EXPOSE 8080 8081 8082
 HEALTHCHECK --interval=10s --timeout=2s CMD python -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8080/v2/health/live',timeout=2).status==200 else 1)"
 ENTRYPOINT ["skewserve", "gateway", "--config", "/etc/skewserve/gateway.yaml"]

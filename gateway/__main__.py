@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from gateway.config import ConfigError, load_gateway_config
+from gateway.listen import ListenError
 from gateway.logs import configure_logging
 from gateway.server import run
 
@@ -21,8 +22,12 @@ def main() -> None:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    configure_logging(cfg.log_json)
-    run(cfg, args.ready_file)
+    configure_logging(cfg.log_json, cfg.log_level.upper())
+    try:
+        run(cfg, args.ready_file)
+    except ListenError as exc:  # a taken port: one line naming the port and its field, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -46,9 +46,29 @@ class RegionConfig(_Strict):
 
 
 class ListenConfig(_Strict):
-    host: str = "127.0.0.1"
-    http_port: int = Field(default=8080, ge=0, lt=65536)
-    grpc_port: int = Field(default=8081, ge=0, lt=65536)
+    host: str = Field(default="127.0.0.1", description="address of the public HTTP and gRPC listeners")
+    http_port: int = Field(default=8080, ge=0, lt=65536, description="public HTTP port; 0 = a free port")
+    grpc_port: int = Field(default=8081, ge=0, lt=65536, description="public gRPC port; 0 = a free port")
+    ops_host: str = Field(
+        default="127.0.0.1",
+        description="address of the ops listener (/metrics, /admin/upstreams); loopback unless a "
+        "scraper on another host must reach it",
+    )
+    ops_port: int = Field(
+        default=8082,
+        ge=0,
+        lt=65536,
+        description="ops listener port (metrics and admin, no auth: keep it off the public network); "
+        "0 = a free port, written to the ready file",
+    )
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> ListenConfig:
+        ports = {"http_port": self.http_port, "grpc_port": self.grpc_port, "ops_port": self.ops_port}
+        fixed = [p for p in ports.values() if p]
+        if len(set(fixed)) != len(fixed):
+            raise ValueError(f"listen ports must differ (0 = a free port each), got {ports}")
+        return self
 
 
 class BalancingConfig(_Strict):
@@ -116,6 +136,11 @@ class ApiKeyConfig(_Strict):
     models: list[str] = Field(default_factory=lambda: ["*"])
     rate_per_s: float = Field(default=0.0, ge=0, description="token-bucket refill; 0 = unlimited")
     burst: float = Field(default=0.0, ge=0)
+    admin: bool = Field(
+        default=False,
+        description="may also read /metrics and /admin/upstreams on the public port (the ops listener "
+        "serves them to anyone who can reach it)",
+    )
 
     @field_validator("sha256")
     @classmethod
@@ -123,13 +148,27 @@ class ApiKeyConfig(_Strict):
         v = v.lower()
         if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
             raise ValueError(
-                "must be 64 hex characters (sha256 of the key): `skewserve gateway hash-key KEY`"
+                "must be 64 hex characters (sha256 of the key); generate a key and its hash with "
+                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'` and "
+                "`skewserve gateway hash-key KEY`"
             )
         return v
 
 
 class AuthConfig(_Strict):
     keys: list[ApiKeyConfig] = Field(default_factory=list, description="no keys = no authentication")
+
+    @field_validator("keys")
+    @classmethod
+    def _unique_names(cls, v: list[ApiKeyConfig]) -> list[ApiKeyConfig]:
+        # Logs, metrics and errors name a key by its name (never its text): names must tell keys apart.
+        names = [k.name for k in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"key names must be unique, got {names}")
+        return v
+
+    def admin_names(self) -> frozenset[str]:
+        return frozenset(k.name for k in self.keys if k.admin)
 
 
 class LimitsConfig(_Strict):
@@ -167,6 +206,9 @@ class GatewayConfig(BaseSettings):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     drain: DrainConfig = Field(default_factory=DrainConfig)
     log_json: bool = True
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="root log level of the gateway process"
+    )
 
     @classmethod
     def settings_customise_sources(

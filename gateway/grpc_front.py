@@ -2,26 +2,37 @@
 
 Generic handlers take and return raw bytes: ModelInfer requests are parsed only for the model name
 and version (upb does this without touching tensor bytes) and forwarded as the client sent them.
-Only the health, metadata, config and infer methods are registered; the repository, shared-memory,
-trace and logging methods answer UNIMPLEMENTED, as for any method a server does not have.
+Only the health, metadata, config, statistics and infer methods are registered; the repository,
+shared-memory, trace and logging methods answer UNIMPLEMENTED, as for any method a server does not have.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2 as pb
 
 from gateway.cache import cache_key_async
 from gateway.core import Gateway
 from gateway.errors import BadRequest, GatewayError, grpc_code_for
+from gateway.listen import check_free, refused
+from gateway.request_id import checked_request_id, is_valid_request_id, new_request_id
+from gateway.statistics import (
+    SERVER_HEADER,
+    gather_statistics,
+    merge_statistics,
+    only_allowed,
+    statistics_servers,
+)
 from gateway.upstream import UpstreamServer
 
 logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
 SERVICE = "inference.GRPCInferenceService"
 _FORWARD_METADATA = ("x-request-id",)
 
@@ -58,11 +69,15 @@ class GrpcFront:
                 "ServerMetadata": raw(self.server_metadata),
                 "ModelMetadata": raw(self.model_metadata),
                 "ModelConfig": raw(self.model_config),
+                "ModelStatistics": raw(self.model_statistics),
                 "ModelInfer": raw(self.model_infer),
             },
         )
 
     async def start(self, host: str, port: int) -> int:
+        """Bind and serve; ListenError names listen.grpc_port when the port is taken."""
+        # grpc reports a failed bind only as port 0, after logging its own lines: check first.
+        check_free(host, port, "grpc_port")
         options = [
             ("grpc.max_receive_message_length", self.gw.cfg.limits.max_request_bytes),
             ("grpc.max_send_message_length", 256 * 1024 * 1024),
@@ -72,7 +87,7 @@ class GrpcFront:
         self.server.add_generic_rpc_handlers((self.handlers(),))
         bound = self.server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
-            raise OSError(f"gRPC port {host}:{port} is already in use; choose another listen.grpc_port")
+            raise refused("grpc_port", host, port)
         await self.server.start()
         return bound
 
@@ -94,6 +109,14 @@ class GrpcFront:
             deadline = min(deadline, self.gw.clock() + remaining)
         return deadline
 
+    async def _parse(self, cls: type[M], request: bytes, context: grpc.aio.ServicerContext) -> M:
+        """The request message, or INVALID_ARGUMENT naming the message type (never UNKNOWN/INTERNAL)."""
+        try:
+            return cls.FromString(request)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.DESCRIPTOR.name}: {exc}")
+            raise AssertionError("unreachable") from None
+
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, request_id: str) -> None:
         if isinstance(exc, GatewayError):
             message = exc.message
@@ -110,8 +133,9 @@ class GrpcFront:
         self, method: str, request: bytes, context: grpc.aio.ServicerContext, model: str, version: str
     ) -> bytes:
         md = self._metadata(context)
-        request_id = md.get("x-request-id") or os.urandom(8).hex()
+        request_id = ""
         try:
+            request_id = checked_request_id(md.get("x-request-id"))
             principal = self.gw.auth.authenticate(md.get("authorization"), md.get("x-api-key"))
             if model:
                 self.gw.auth.admit(principal, model)
@@ -134,33 +158,86 @@ class GrpcFront:
         return pb.ServerReadyResponse(ready=self.gw.ready()).SerializeToString()
 
     async def model_ready(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        req = pb.ModelReadyRequest.FromString(request)
+        req = await self._parse(pb.ModelReadyRequest, request, context)
         return await self._proxy("ModelReady", request, context, req.name, req.version)
 
     async def server_metadata(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return await self._proxy("ServerMetadata", request, context, "", "")
 
     async def model_metadata(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        req = pb.ModelMetadataRequest.FromString(request)
+        req = await self._parse(pb.ModelMetadataRequest, request, context)
         return await self._proxy("ModelMetadata", request, context, req.name, req.version)
 
     async def model_config(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        req = pb.ModelConfigRequest.FromString(request)
+        req = await self._parse(pb.ModelConfigRequest, request, context)
         return await self._proxy("ModelConfig", request, context, req.name, req.version)
+
+    async def model_statistics(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """Triton's ModelStatistics, summed across the servers the model is routed to."""
+        md = self._metadata(context)
+        request_id = ""
+        req = await self._parse(pb.ModelStatisticsRequest, request, context)
+        try:
+            request_id = checked_request_id(md.get("x-request-id"))
+            principal = self.gw.auth.authenticate(md.get("authorization"), md.get("x-api-key"))
+            if req.name:
+                self.gw.auth.admit(principal, req.name)
+            deadline = self._deadline(context, md)
+            gw = self.gw
+            servers = statistics_servers(
+                gw.servers,
+                {name: region.servers for name, region in gw.router.regions.items()},
+                req.name,
+                req.version,
+                md.get(self.region_key),
+                self.region_key,
+                gw.clock(),
+                md.get(SERVER_HEADER),
+            )
+            metadata = (("x-request-id", request_id),)
+
+            async def fetch(server: UpstreamServer) -> dict[str, Any]:
+                raw = await server.grpc_call(
+                    "ModelStatistics", request, max(0.0, deadline - gw.clock()), metadata
+                )
+                return json_format.MessageToDict(
+                    pb.ModelStatisticsResponse.FromString(raw), preserving_proto_field_name=True
+                )
+
+            answers, answered = await gather_statistics(servers, fetch)
+            merged = only_allowed(merge_statistics(answers), principal)
+            context.set_trailing_metadata(
+                (
+                    ("x-request-id", request_id),
+                    ("x-skewserve-stats-servers", ",".join(s.name for s in answered)),
+                )
+            )
+            return json_format.ParseDict(merged, pb.ModelStatisticsResponse()).SerializeToString()
+        except GatewayError as exc:
+            await self._abort(context, exc, request_id)
+        except Exception as exc:
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            await self._abort(context, exc, request_id)
+        raise AssertionError("unreachable")
 
     async def model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         gw = self.gw
         started = gw.clock()
         md = self._metadata(context)
-        request_id = md.get("x-request-id") or ""
+        sent_id = md.get("x-request-id")
+        request_id = ""
         status = "OK"
         region = server_name = ""
         model = ""
         gw.inflight += 1
         try:
+            request_id = checked_request_id(sent_id) if sent_id else ""
             req = pb.ModelInferRequest.FromString(request)
             model, version = req.model_name, req.model_version
-            request_id = request_id or req.id or os.urandom(8).hex()
+            # The protobuf `id` is Triton's to echo whatever it holds; it names the request in logs
+            # and upstream metadata only when it is a valid metadata value.
+            request_id = request_id or (req.id if is_valid_request_id(req.id) else new_request_id())
             gw.admit(model, md.get("authorization"), md.get("x-api-key"))
             if self.max_batch:
                 for inp in req.inputs:

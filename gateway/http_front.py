@@ -3,7 +3,7 @@
 `/v2/models/{m}[/versions/{v}]/infer` is served by a raw ASGI handler: the body (JSON, or Triton's
 binary tensor extension with `Inference-Header-Content-Length`) is forwarded as received and
 Triton's bytes come back as sent, with no decoding of tensor data. Everything else (health,
-metadata, config, admin, metrics) goes to a FastAPI app. Triton's repository, model-control,
+metadata, config, statistics; admin and metrics for admin keys only, see ops.py) goes to a FastAPI app. Triton's repository, model-control,
 shared-memory, trace and logging endpoints are not routed: 404 in Triton's `{"error": ...}` shape.
 """
 
@@ -28,6 +28,15 @@ from gateway.errors import (
     RequestTooLarge,
     UpstreamRejected,
     http_status_for,
+)
+from gateway.ops import metrics_response, require_admin, upstreams_response
+from gateway.request_id import checked_request_id
+from gateway.statistics import (
+    SERVER_HEADER,
+    gather_statistics,
+    merge_statistics,
+    only_allowed,
+    statistics_servers,
 )
 from gateway.upstream import UpstreamServer
 from gateway.upstream_http import HttpResponse
@@ -308,7 +317,7 @@ class HttpFront:
 
 
 def build_api(gw: Gateway) -> FastAPI:
-    """Health, metadata, config, admin and metrics endpoints."""
+    """Health, metadata, config and statistics; admin and metrics only for admin keys (see ops.py)."""
     api = FastAPI(title="skewserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
     @api.exception_handler(StarletteHTTPException)
@@ -335,6 +344,7 @@ def build_api(gw: Gateway) -> FastAPI:
         )
         if model:
             gw.auth.admit(principal, model)
+        checked_request_id(request.headers.get("x-request-id"))
         path = request.url.path.encode()
         deadline = gw.deadline(request.headers.get(gw.cfg.retries.timeout_header))
 
@@ -355,21 +365,60 @@ def build_api(gw: Gateway) -> FastAPI:
             },
         )
 
+    async def statistics(request: Request, model: str = "", version: str = "") -> Response:
+        """Triton's statistics extension, summed across the servers the model is routed to."""
+        principal = gw.auth.authenticate(
+            request.headers.get("authorization"), request.headers.get("x-api-key")
+        )
+        if model:
+            gw.auth.admit(principal, model)
+        checked_request_id(request.headers.get("x-request-id"))
+        path = request.url.path.encode()
+        deadline = gw.deadline(request.headers.get(gw.cfg.retries.timeout_header))
+        servers = statistics_servers(
+            gw.servers,
+            {name: region.servers for name, region in gw.router.regions.items()},
+            model,
+            version,
+            request.headers.get(gw.cfg.routing.region_header),
+            gw.cfg.routing.region_header,
+            gw.clock(),
+            request.headers.get(SERVER_HEADER),
+        )
+
+        async def fetch(server: UpstreamServer) -> dict[str, Any]:
+            resp = await server.http_request(b"GET", path, b"", [], max(0.0, deadline - gw.clock()))
+            if resp.status != 200:
+                raise UpstreamRejected(
+                    resp.body.decode(errors="replace"), http_status=resp.status, body=resp.body
+                )
+            return json.loads(resp.body)  # type: ignore[no-any-return]
+
+        answers, answered = await gather_statistics(servers, fetch)
+        merged = only_allowed(merge_statistics(answers), principal)
+        return JSONResponse(merged, headers={"x-skewserve-stats-servers": ",".join(s.name for s in answered)})
+
     @api.get("/v2")
     async def server_metadata(request: Request) -> Response:
         return await proxy(request)
 
+    # Statistics first: `/v2/models/stats` must not match `/v2/models/{model}` as a model named "stats".
+    api.add_api_route("/v2/models/stats", statistics, methods=["GET"])
+    api.add_api_route("/v2/models/{model}/stats", statistics, methods=["GET"])
+    api.add_api_route("/v2/models/{model}/versions/{version}/stats", statistics, methods=["GET"])
     for suffix in ("", "/ready", "/config"):
         api.add_api_route(f"/v2/models/{{model}}{suffix}", proxy, methods=["GET"])
         api.add_api_route(f"/v2/models/{{model}}/versions/{{version}}{suffix}", proxy, methods=["GET"])
 
     @api.get("/admin/upstreams")
-    async def upstreams() -> JSONResponse:
-        return JSONResponse(gw.describe())
+    async def upstreams(request: Request) -> JSONResponse:
+        require_admin(gw, request)
+        return upstreams_response(gw)
 
     @api.get("/metrics")
-    async def metrics() -> Response:
-        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(request: Request) -> Response:
+        require_admin(gw, request)
+        return metrics_response(gw)
 
     @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def not_routed(path: str) -> Response:

@@ -21,7 +21,7 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
-def configure_logging(json_logs: bool, level: int = logging.INFO) -> None:
+def configure_logging(json_logs: bool, level: int | str = logging.INFO) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(
         JsonFormatter() if json_logs else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")

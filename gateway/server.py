@@ -1,4 +1,5 @@
-"""Run the gateway: uvicorn (HTTP) and grpc.aio (gRPC) in one event loop, with a graceful drain.
+"""Run the gateway: uvicorn (HTTP, and the ops listener) and grpc.aio (gRPC) in one event loop,
+with a graceful drain. Listeners are bound first: a taken port is a ListenError naming its field.
 
 SIGTERM: report not-ready at once, keep serving for `drain.grace_s` (so load balancers notice),
 then refuse new requests with 503, wait for in-flight ones (bounded), stop both servers and exit.
@@ -8,9 +9,11 @@ A second SIGTERM or SIGINT exits immediately.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -18,6 +21,8 @@ from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.grpc_front import GrpcFront
 from gateway.http_front import HttpFront
+from gateway.listen import ListenError, bind_listener
+from gateway.ops import build_ops_app
 
 logger = logging.getLogger(__name__)
 
@@ -27,17 +32,9 @@ class _Uvicorn(uvicorn.Server):
         pass
 
 
-async def serve(cfg: GatewayConfig, ready_file: Path | None = None) -> None:
-    loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
-    gateway = Gateway(cfg)
-    await gateway.start()
-    grpc_front = GrpcFront(gateway)
-    grpc_port = await grpc_front.start(cfg.listen.host, cfg.listen.grpc_port)
-    http_app = HttpFront(gateway)
-    uv_config = uvicorn.Config(
-        http_app,
-        host=cfg.listen.host,
-        port=cfg.listen.http_port,
+def _uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
         loop="none",
         http="httptools",
         lifespan="off",
@@ -49,7 +46,31 @@ async def serve(cfg: GatewayConfig, ready_file: Path | None = None) -> None:
         timeout_graceful_shutdown=int(cfg.drain.timeout_s),
         backlog=2048,
     )
-    server = _Uvicorn(uv_config)
+
+
+async def serve(cfg: GatewayConfig, ready_file: Path | None = None) -> None:
+    """Serve until stopped; ListenError (naming the listen.* field) when a port cannot be bound."""
+    loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    listen = cfg.listen
+    # Bind every listener before starting anything, so a taken port fails fast and in one line.
+    http_sock = bind_listener(listen.host, listen.http_port, "http_port")
+    try:
+        ops_sock = bind_listener(listen.ops_host, listen.ops_port, "ops_port")
+    except ListenError:
+        http_sock.close()
+        raise
+    gateway = Gateway(cfg)
+    grpc_front = GrpcFront(gateway)
+    try:
+        grpc_port = await grpc_front.start(listen.host, listen.grpc_port)
+    except BaseException:
+        http_sock.close()
+        ops_sock.close()
+        await gateway.stop()
+        raise
+    await gateway.start()
+    server = _Uvicorn(_uvicorn_config(HttpFront(gateway), cfg))
+    ops_server = _Uvicorn(_uvicorn_config(build_ops_app(gateway), cfg))
     loop = asyncio.get_running_loop()
     drain_task: asyncio.Task[None] | None = None
 
@@ -69,34 +90,42 @@ async def serve(cfg: GatewayConfig, ready_file: Path | None = None) -> None:
     loop.add_signal_handler(signal.SIGTERM, on_term)
     loop.add_signal_handler(signal.SIGINT, on_int)
     # uvicorn.Server.serve() would install its own signal handling; run its steps directly instead.
-    uv_config.load()
-    server.lifespan = uv_config.lifespan_class(uv_config)
-    try:
-        await server.startup()
-    except SystemExit:
-        server.should_exit = True
-    if server.should_exit or not server.started:
-        await grpc_front.stop(0)
-        await gateway.stop()
-        raise OSError(
-            f"HTTP port {cfg.listen.host}:{cfg.listen.http_port} could not be bound; choose another listen.http_port"
-        )
-    http_port = server.servers[0].sockets[0].getsockname()[1]
+    for s in (server, ops_server):
+        s.config.load()
+        s.lifespan = s.config.lifespan_class(s.config)
+    await server.startup(sockets=[http_sock])
+    await ops_server.startup(sockets=[ops_sock])
+    http_port = http_sock.getsockname()[1]
+    ops_port = ops_sock.getsockname()[1]
     logger.info(
-        "gateway ready: http %s:%d grpc %s:%d (%s), home region %s",
-        cfg.listen.host,
+        "gateway ready: http %s:%d grpc %s:%d ops %s:%d (%s), home region %s",
+        listen.host,
         http_port,
-        cfg.listen.host,
+        listen.host,
         grpc_port,
+        listen.ops_host,
+        ops_port,
         loop_kind,
         cfg.home_region,
     )
     if ready_file is not None:
-        ready_file.write_text(f'{{"http_port": {http_port}, "grpc_port": {grpc_port}}}\n')
+        ready_file.write_text(
+            json.dumps(
+                {
+                    "http_port": http_port,
+                    "grpc_port": grpc_port,
+                    "ops_port": ops_port,
+                    "ops_host": listen.ops_host,
+                }
+            )
+            + "\n"
+        )
     try:
         await server.main_loop()
     finally:
         await server.shutdown()
+        ops_server.should_exit = True
+        await ops_server.shutdown()
         await grpc_front.stop(1.0)
         if drain_task is not None and not drain_task.done():
             drain_task.cancel()

@@ -401,6 +401,7 @@ def gateway_command(
             "give --config FILE (see deploy/gateway.example.yaml)", param_hint="--config"
         )
     from gateway.config import ConfigError, load_gateway_config
+    from gateway.listen import ListenError
     from gateway.logs import configure_logging
     from gateway.server import run
 
@@ -409,8 +410,14 @@ def gateway_command(
     except ConfigError as exc:
         error(exc)
         raise typer.Exit(2) from exc
-    configure_logging(cfg.log_json)
-    run(cfg)
+    configure_logging(cfg.log_json, cfg.log_level.upper())
+    try:
+        run(cfg)
+    except ListenError as exc:
+        from rich.markup import escape
+
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(1) from exc
 
 
 KEY_IN_HISTORY_WARNING = (
@@ -506,6 +513,11 @@ def print_stack(stack: Any) -> None:
     for s in stack.fleet.servers:
         table.add_row("triton", *map(text, (s.spec.region, s.spec.name, s.http_url, s.grpc_address, s.pid)))
     console.print(table)
+    if stack.gateway_ops:
+        console.print(
+            f"gateway ops listener (metrics, admin): http://{stack.gateway_ops}/metrics, "
+            f"http://{stack.gateway_ops}/admin/upstreams"
+        )
 
 
 @app.command("loadtest")
@@ -527,7 +539,10 @@ def loadtest_command(
         "", "--regions", help="Pin requests to these regions at random (comma-separated)."
     ),
     metrics_url: str | None = typer.Option(
-        None, "--metrics-url", help="Gateway /metrics (default: from an HTTP target)."
+        None,
+        "--metrics-url",
+        help="The gateway's /metrics on its ops listener (listen.ops_port), e.g. "
+        "http://127.0.0.1:8082/metrics; without it, no cache or spill-over figures.",
     ),
     slo: Path | None = typer.Option(
         None, "--slo", help="YAML with p95_ms, p99_ms, error_rate; breach = exit 1."
@@ -542,10 +557,6 @@ def loadtest_command(
     try:
         slo_bounds = load_slo(slo) if slo else None
         seconds = parse_duration(duration)
-        if metrics_url is None and protocol != "grpc":
-            metrics_url = (target if target.startswith("http") else f"http://{target}").rstrip(
-                "/"
-            ) + "/metrics"
         features = model_feature_count(target, protocol, model)
         spec = LoadTestSpec(
             target=target,

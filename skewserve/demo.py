@@ -78,7 +78,7 @@ class Demo:
                 regions={"us-east": 1, "eu-west": 1},
                 gateway={
                     "home_region": "us-east",
-                    "listen": {"http_port": 0, "grpc_port": 0},
+                    "listen": {"http_port": 0, "grpc_port": 0, "ops_port": 0},
                     "cache": {"backend": "memory", "models": ["longtail"]},
                     "health": {"interval_s": 0.5},
                 },
@@ -199,7 +199,7 @@ class Demo:
             duration_s=self.load_seconds,
             shape="steady",
             out_dir=self.out / "loadtest",
-            metrics_url=f"http://{stack.gateway_http}/metrics",
+            metrics_url=f"http://{stack.gateway_ops}/metrics",
             mix=MixSettings(
                 model="longtail",
                 n_features=16,
@@ -231,7 +231,7 @@ class Demo:
                 f"{r.p99_ms:.1f}",
             )
         self.console.print(table)
-        with urllib.request.urlopen(f"http://{stack.gateway_http}/admin/upstreams", timeout=5) as resp:
+        with urllib.request.urlopen(f"http://{stack.gateway_ops}/admin/upstreams", timeout=5) as resp:
             admin = json.loads(resp.read())
         hit = load.cache_hit_rate
         self.console.print(

@@ -21,10 +21,18 @@ class GatewayProcess:
     http_port: int
     grpc_port: int
     log_path: Path
+    ops_port: int = 0
+    ops_host: str = "127.0.0.1"
 
     @property
     def http(self) -> str:
         return f"{self.host}:{self.http_port}"
+
+    @property
+    def ops(self) -> str:
+        """host:port of the ops listener (/metrics, /admin/upstreams)."""
+        host = "127.0.0.1" if self.ops_host in ("0.0.0.0", "") else self.ops_host
+        return f"[{host}]:{self.ops_port}" if ":" in host else f"{host}:{self.ops_port}"
 
     @property
     def grpc(self) -> str:
@@ -66,7 +74,15 @@ def start_gateway_process(
             )
         if ready.exists() and ready.read_text().strip():
             ports = json.loads(ready.read_text())
-            return GatewayProcess(proc, host, ports["http_port"], ports["grpc_port"], log_path)
+            return GatewayProcess(
+                proc,
+                host,
+                ports["http_port"],
+                ports["grpc_port"],
+                log_path,
+                ports["ops_port"],
+                ports.get("ops_host", "127.0.0.1"),
+            )
         time.sleep(0.05)
     proc.kill()
     proc.wait(5)

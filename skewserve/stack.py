@@ -5,7 +5,7 @@ Stack config (YAML or TOML):
     model_config_name: local              # CPU profile (configs/local.pbtxt)
     model_control_mode: explicit          # so `skewserve rollout` can load new versions
     regions: {us-east: 2, eu-west: 1}     # servers per region
-    gateway: {home_region: us-east, listen: {http_port: 8080, grpc_port: 8081}, cache: {...}}
+    gateway: {home_region: us-east, listen: {http_port: 8080, grpc_port: 8081, ops_port: 8082}, cache: {...}}
 The gateway section is a gateway config without `regions`: they are filled in from the servers.
 """
 
@@ -100,6 +100,7 @@ class LocalStack:
         self.gateway: GatewayProcess | None = None
         self.gateway_http = ""
         self.gateway_grpc = ""
+        self.gateway_ops = ""  # host:port of the ops listener: /metrics, /admin/upstreams
         self.gateway_config_path = self.log_dir / "gateway.generated.yaml"
 
     def gateway_config(self) -> dict[str, Any]:
@@ -124,6 +125,7 @@ class LocalStack:
             self.gateway_config_path, self.log_dir / "gateway.log", host, timeout_s
         )
         self.gateway_http, self.gateway_grpc = self.gateway.http, self.gateway.grpc
+        self.gateway_ops = self.gateway.ops
         return self
 
     @property

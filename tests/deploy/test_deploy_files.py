@@ -99,6 +99,12 @@ def test_kubernetes_manifests_parse_and_embed_a_valid_gateway_config(tmp_path: P
     )
     grace = gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > cfg.drain.grace_s + cfg.drain.timeout_s
+    # Prometheus scrapes the ops listener (metrics are not on the public port); the Service omits it.
+    annotations = gateway["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(cfg.listen.ops_port) and cfg.listen.ops_host == "0.0.0.0"
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "skewserve-gateway")
+    assert cfg.listen.ops_port not in {p.get("port") for p in service["spec"]["ports"]}
+    assert "ops" not in {p.get("targetPort") for p in service["spec"]["ports"]}
 
 
 @pytest.mark.parametrize("name", ["gateway.Dockerfile", "triton.Dockerfile"])
@@ -110,7 +116,20 @@ def test_dockerfiles_copy_only_what_exists(name: str) -> None:
     assert "HEALTHCHECK" in text and "ENTRYPOINT" in text
 
 
-def test_example_configs_are_valid() -> None:
-    load_gateway_config(DEPLOY / "gateway.example.yaml")
+def test_example_configs_are_valid_once_a_real_key_hash_is_filled_in(tmp_path: Path) -> None:
+    from gateway.auth import hash_key
+    from gateway.config import ConfigError
+
+    example = (DEPLOY / "gateway.example.yaml").read_text()
+    # The example carries no usable key: its placeholder fails validation, naming the field and the fix.
+    with pytest.raises(ConfigError, match=r"auth\.keys\.0\.sha256: .*skewserve gateway hash-key"):
+        load_gateway_config(DEPLOY / "gateway.example.yaml")
+    assert hash_key("test") not in example
+    filled = tmp_path / "gateway.yaml"
+    filled.write_text(
+        example.replace("REPLACE-with-the-output-of-skewserve-gateway-hash-key", hash_key("sk-" + "z" * 40))
+    )
+    cfg = load_gateway_config(filled)
+    assert (cfg.listen.ops_host, cfg.listen.ops_port) == ("127.0.0.1", 8082)
     cfg = load_stack_config(DEPLOY / "stack.local.yaml")
     assert cfg.regions == {"us-east": 2, "eu-west": 1}

@@ -67,7 +67,7 @@ def gateway_config(
 ) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "home_region": home,
-        "listen": {"host": "127.0.0.1", "http_port": free_port(), "grpc_port": free_port()},
+        "listen": {"host": "127.0.0.1", "http_port": free_port(), "grpc_port": free_port(), "ops_port": 0},
         "log_json": True,
         "health": {"interval_s": 0.2, "timeout_s": 1.0, "eject_after_failures": 2, "base_ejection_s": 1.0},
         "cache": {"backend": "memory", "models": ["lt"], "ttl_s": 60},
@@ -91,18 +91,18 @@ def gateway_config(
 
 
 class GatewayUnderTest(GatewayProcess):
-    """A gateway process plus the admin/metrics reads tests make."""
+    """A gateway process plus the admin/metrics reads tests make (on its ops listener)."""
 
     def admin(self) -> dict[str, Any]:
         import urllib.request
 
-        with urllib.request.urlopen(f"http://{self.http}/admin/upstreams", timeout=5) as r:
+        with urllib.request.urlopen(f"http://{self.ops}/admin/upstreams", timeout=5) as r:
             return json.loads(r.read())
 
     def metrics(self) -> str:
         import urllib.request
 
-        with urllib.request.urlopen(f"http://{self.http}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://{self.ops}/metrics", timeout=5) as r:
             return r.read().decode()
 
     def server(self, name: str) -> dict[str, Any]:
@@ -114,7 +114,9 @@ def launch_gateway(cfg: dict[str, Any], workdir: Path, env: dict[str, str] | Non
     path = workdir / f"gateway-{cfg['listen']['http_port']}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     gw = start_gateway_process(path, path.with_suffix(".log"), env=env)
-    return GatewayUnderTest(gw.proc, gw.host, gw.http_port, gw.grpc_port, gw.log_path)
+    return GatewayUnderTest(
+        gw.proc, gw.host, gw.http_port, gw.grpc_port, gw.log_path, gw.ops_port, gw.ops_host
+    )
 
 
 @pytest.fixture()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,10 @@ def test_up_serves_through_the_gateway_and_stops_everything(gateway_repo: Path, 
             {
                 "repository": str(gateway_repo),
                 "regions": {"us-east": 1, "eu-west": 1},
-                "gateway": {"home_region": "eu-west", "listen": {"http_port": 0, "grpc_port": 0}},
+                "gateway": {
+                    "home_region": "eu-west",
+                    "listen": {"http_port": 0, "grpc_port": 0, "ops_port": 0},
+                },
             }
         )
     )
@@ -34,6 +39,10 @@ def test_up_serves_through_the_gateway_and_stops_everything(gateway_repo: Path, 
             r"gateway\s+│\s+eu-west \(home\)\s+│\s+gateway\s+│\s+http://[\d.]+:\d+\s+│\s+([\d.]+:\d+)", text
         )
         assert m, text
+        ops = re.search(r"gateway ops listener \(metrics, admin\): (http://[\d.]+:\d+)/metrics", text)
+        assert ops, text
+        with urllib.request.urlopen(f"{ops.group(1)}/admin/upstreams", timeout=10) as r:
+            assert json.loads(r.read())["home_region"] == "eu-west"
         client = grpcclient.InferenceServerClient(m.group(1))
         inp = grpcclient.InferInput("features", [1, 8], "FP32")
         inp.set_data_from_numpy(np.zeros((1, 8), np.float32))

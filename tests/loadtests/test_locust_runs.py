@@ -20,7 +20,7 @@ def stack(gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory):
         regions={"us-east": 1, "eu-west": 1},
         gateway={
             "home_region": "us-east",
-            "listen": {"http_port": 0, "grpc_port": 0},
+            "listen": {"http_port": 0, "grpc_port": 0, "ops_port": 0},
             "cache": {"models": ["lt"]},
         },
     )
@@ -50,7 +50,7 @@ def _loadtest(stack: LocalStack, protocol: str, out: Path, *extra: str) -> subpr
         "--out",
         str(out),
         "--metrics-url",
-        f"http://{stack.gateway_http}/metrics",
+        f"http://{stack.gateway_ops}/metrics",
         "--cold-model",
         "lt_nocache",
         "--cold-fraction",

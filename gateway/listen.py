@@ -1,0 +1,58 @@
+"""Listening sockets for the gateway's three listeners, bound before anything else starts.
+
+A taken port must fail the start with one line naming the port and the config field that chose it
+(`listen.http_port`...), not a traceback from deep inside uvicorn or grpc, and before the gateway
+probes any server: so the sockets are bound here first and handed to the servers.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+
+class ListenError(OSError):
+    """A listener could not be bound; the message names the config field and what to do."""
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _refusal(field: str, host: str, port: int, exc: OSError) -> ListenError:
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return ListenError(
+            f"listen.{field} {where} is already in use; stop what holds it or choose another listen.{field}"
+        )
+    if exc.errno == errno.EACCES:
+        return ListenError(f"listen.{field} {where} needs privileges to bind; choose a port above 1023")
+    return ListenError(
+        f"listen.{field} {where} cannot be bound ({exc.strerror}); check listen.{field} and the host"
+    )
+
+
+def bind_listener(host: str, port: int, field: str) -> socket.socket:
+    """A bound, listening TCP socket for uvicorn (port 0 = a free port); ListenError names `field`."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart over TIME_WAIT sockets
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise _refusal(field, host, port, exc) from None
+    sock.setblocking(False)
+    return sock
+
+
+def check_free(host: str, port: int, field: str) -> None:
+    """Raise ListenError if `port` cannot be bound now (for grpc, which binds its own sockets)."""
+    if port == 0:
+        return
+    bind_listener(host, port, field).close()
+
+
+def refused(field: str, host: str, port: int) -> ListenError:
+    """The error for a bind that failed where the cause is not known (grpc returns only 0)."""
+    return _refusal(field, host, port, OSError(errno.EADDRINUSE, "in use"))
