@@ -36,7 +36,6 @@ from training.sampler import ClassBalancedSampler
 from training.speed_balance import RankSpeedBalancer, slice_for_rank
 
 logger = logging.getLogger(__name__)
-FAULT_ENV = "SKEWSERVE_FAULT_EXIT_AFTER_EPOCH"
 # Fields whose change makes a checkpoint meaningless to resume.
 RESUME_KEYS = (
     "loss",
@@ -289,7 +288,6 @@ class Trainer:
                 unit="step",
                 file=sys.stderr,
             )
-        fault_epoch = int(os.environ.get(FAULT_ENV, "-1"))
         for epoch in range(self.start_epoch, cfg.epochs):
             # Per-epoch seeding makes dropout masks a function of (seed, epoch, rank): resume replays exactly.
             torch.manual_seed(cfg.seed * 100_003 + epoch * 101 + self.rank)
@@ -330,8 +328,6 @@ class Trainer:
                     imbalance=f"{summary['imbalance_ratio']:.2f}",
                 )
             self._checkpoint(epoch)
-            if epoch == fault_epoch:
-                os._exit(137)  # fault injection for resume tests: die like a SIGKILL, no clean-up
             if cfg.patience is not None and self.stale_epochs >= cfg.patience:
                 if self.rank == 0:
                     logger.info(
