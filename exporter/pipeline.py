@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -27,7 +26,6 @@ from training.artifact import load_model
 logger = logging.getLogger(__name__)
 LOCAL_RUNNER = Path(__file__).with_name("local_backend_model.py")
 CANARY_ROWS = 8
-FAULT_ENV = "SKEWSERVE_FAULT_EXPORT"
 
 
 @dataclass
@@ -152,8 +150,6 @@ def export_artifact(
             f"configs/{LOCAL_PROFILE}.pbtxt": render(local_config(name, contract, opts)),
             LABELS_FILE: "\n".join(contract.classes) + "\n",
         }
-        if os.environ.get(FAULT_ENV) == "before-publish":
-            os._exit(137)  # fault injection for tests: die like a SIGKILL with a full staging folder
         published = publish_version(model_dir, staging, files, version)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -3,6 +3,9 @@
 A version is assembled in `<model>/.tmp-<uuid>` (Triton ignores non-integer version folders), then,
 under an exclusive file lock on the model folder, given the next free integer and renamed into place.
 Model-level files (configs, labels) are replaced with atomic renames in the same critical section.
+Everything is fsynced before its rename, so the rename publishes complete bytes even across a power
+loss; a process killed at any moment leaves only dot-named temporaries, which readers (Triton,
+`published_versions`) ignore and the next publish removes.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from exporter.triton_config import LOCAL_PROFILE, parse
 
 logger = logging.getLogger(__name__)
 STAGING_PREFIX = ".tmp-"
+# Model-level files are written as `.<name>.tmp-<hex>` beside their target, then renamed.
+MODEL_FILE_TMP = ".tmp-"
 CARD = "model_card.json"
 
 
@@ -81,11 +86,48 @@ def clean_stale_staging(model_dir: Path) -> None:
             pass
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush a staged version's files and folders, so its rename never publishes unwritten bytes."""
+    for path in sorted(root.rglob("*"), reverse=True):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        elif path.is_dir():
+            _fsync_dir(path)
+    _fsync_dir(root)
+
+
+def _model_file_tmp_glob(target: Path) -> str:
+    return f".{target.name}{MODEL_FILE_TMP}*"
+
+
 def _atomic_write(path: Path, text: str) -> None:
+    """Write aside, fsync, rename: a reader sees the old file or the new one, never a torn one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text)
+    tmp = path.with_name(f".{path.name}{MODEL_FILE_TMP}{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _clean_stale_model_files(model_dir: Path, rels: list[str]) -> None:
+    """Temporaries of model-level files left by a killed publish (callers hold the model lock)."""
+    for rel in rels:
+        target = model_dir / rel
+        if target.parent.is_dir():
+            for stale in target.parent.glob(_model_file_tmp_glob(target)):
+                stale.unlink(missing_ok=True)
 
 
 def _check_compatible(model_dir: Path, new_local_config: str) -> None:
@@ -133,10 +175,13 @@ def publish_version(
             raise PublishError(
                 f"{model_dir.name} version {version} already exists; versions are immutable: omit --version to take {max(taken) + 1}"
             )
+        _clean_stale_model_files(model_dir, list(model_files))
         # Model-level files first: Triton reads them when it loads the new version folder.
         for rel, text in model_files.items():
             _atomic_write(model_dir / rel, text)
+        _fsync_tree(staging)
         target = model_dir / str(version)
         os.rename(staging, target)
+        _fsync_dir(model_dir)
     logger.info("published %s version %d", model_dir.name, version)
     return Published(model_dir.name, version, target)

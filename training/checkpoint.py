@@ -17,6 +17,9 @@ def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / CHECKPOINT_NAME
     tmp = directory / f".{CHECKPOINT_NAME}.tmp-{os.getpid()}"
+    for stale in directory.glob(f".{CHECKPOINT_NAME}.tmp-*"):
+        if stale != tmp:  # left by a process killed mid-save; only rank 0 of one run writes here
+            stale.unlink(missing_ok=True)
     with open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()

@@ -37,7 +37,6 @@ from training.sampler import ClassBalancedSampler
 from training.speed_balance import RankSpeedBalancer, slice_for_rank
 
 logger = logging.getLogger(__name__)
-FAULT_ENV = "SKEWSERVE_FAULT_EXIT_AFTER_EPOCH"
 # Fields whose change makes a checkpoint meaningless to resume.
 RESUME_KEYS = (
     "loss",
@@ -282,7 +281,6 @@ class Trainer:
         bar = None
         if self.rank == 0 and cfg.progress:
             bar = EpochProgress(cfg.epochs, self.steps_per_epoch, self.start_epoch, sys.stderr)
-        fault_epoch = int(os.environ.get(FAULT_ENV, "-1"))
         for epoch in range(self.start_epoch, cfg.epochs):
             # Per-epoch seeding makes dropout masks a function of (seed, epoch, rank): resume replays exactly.
             torch.manual_seed(cfg.seed * 100_003 + epoch * 101 + self.rank)
@@ -320,8 +318,6 @@ class Trainer:
                     epoch, summary["train_loss"], val["balanced_accuracy"], summary["imbalance_ratio"]
                 )
             self._checkpoint(epoch)
-            if epoch == fault_epoch:
-                os._exit(137)  # fault injection for resume tests: die like a SIGKILL, no clean-up
             if cfg.patience is not None and self.stale_epochs >= cfg.patience:
                 if self.rank == 0:
                     logger.info(

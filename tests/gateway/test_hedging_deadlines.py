@@ -62,14 +62,24 @@ def _config(servers: dict[str, list[tuple[str, str, str]]], **overrides: object)
     return cfg
 
 
-def _post(address: str, **headers: str) -> tuple[int, float, dict]:
+def _post(address: str, **headers: str) -> tuple[int, dict]:
+    """Status and headers (or the error body). Which server answered is in `x-skewserve-server`: the
+    slow one can only answer after its delay, so the header, not a stopwatch, says who waited."""
     req = urllib.request.Request(f"http://{address}/v2/models/lt_nocache/infer", data=BODY, headers=headers)
-    started = time.monotonic()
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, time.monotonic() - started, dict(r.headers)
+            return r.status, dict(r.headers)
     except urllib.error.HTTPError as exc:
-        return exc.code, time.monotonic() - started, json.loads(exc.read())
+        return exc.code, json.loads(exc.read())
+
+
+def _hedges(gw) -> float:
+    lines = [
+        line
+        for line in gw.metrics().splitlines()
+        if line.startswith('skewserve_gateway_hedges_total{model="lt_nocache"}')
+    ]
+    return float(lines[0].split()[-1]) if lines else 0.0
 
 
 def test_hedged_requests_do_not_wait_for_the_slow_server(slow_pair, make_gateway) -> None:
@@ -81,23 +91,21 @@ def test_hedged_requests_do_not_wait_for_the_slow_server(slow_pair, make_gateway
         )
     )
     results = [_post(gw.http) for _ in range(12)]
-    assert all(status == 200 for status, _, _ in results)
-    assert all(
-        headers["x-skewserve-server"] == "fast" for _, _, headers in results
-    )  # the hedge won each race
-    assert max(seconds for _, seconds, _ in results) < DELAY_S  # nobody waited for the slow answer
-    hedges = [
-        line
-        for line in gw.metrics().splitlines()
-        if line.startswith('skewserve_gateway_hedges_total{model="lt_nocache"}')
-    ]
-    assert hedges and float(hedges[0].split()[-1]) >= 5
+    assert [status for status, _ in results] == [200] * 12
+    # Round robin sent primaries to the slow server too (it counts them), yet every answer came from
+    # the fast one: each request routed to the slow server was hedged and the hedge won the race.
+    assert gw.server("slow")["requests"] >= 6
+    assert [headers["x-skewserve-server"] for _, headers in results] == ["fast"] * 12
+    assert _hedges(gw) >= 6
 
 
 def test_without_hedging_round_robin_waits_for_the_slow_server(slow_pair, make_gateway) -> None:
     gw = make_gateway(_config(slow_pair, balancing={"policy": "round_robin"}))
-    seconds = [_post(gw.http)[1] for _ in range(6)]
-    assert max(seconds) >= DELAY_S  # the contrast that makes the test above meaningful
+    answered_by = [_post(gw.http)[1]["x-skewserve-server"] for _ in range(6)]
+    # The contrast that makes the test above meaningful: without hedging the slow server's (late)
+    # answers reach the client, every other one under round robin.
+    assert sorted(answered_by) == ["fast"] * 3 + ["slow"] * 3
+    assert _hedges(gw) == 0
 
 
 def test_deadline_header_bounds_the_wait_with_504(slow_pair, make_gateway) -> None:
@@ -108,17 +116,16 @@ def test_deadline_header_bounds_the_wait_with_504(slow_pair, make_gateway) -> No
             only_slow, retries={"max_attempts": 1}, health={"timeout_s": 5.0, "eject_after_failures": 100}
         )
     )
-    status, seconds, body = _post(gw.http, **{"x-skewserve-timeout-ms": "100"})
+    # The only server answers after DELAY_S (300 ms): a 504 can only come from the 100 ms deadline.
+    status, body = _post(gw.http, **{"x-skewserve-timeout-ms": "100"})
     assert status == 504 and "no response within" in body["error"]
-    assert seconds < DELAY_S
     timed = json.dumps(
         {**json.loads(BODY), "parameters": {"timeout": 100_000}}
     ).encode()  # KServe/Triton: microseconds
     req = urllib.request.Request(f"http://{gw.http}/v2/models/lt_nocache/infer", data=timed)
-    started = time.monotonic()
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=10)
-    assert info.value.code == 504 and time.monotonic() - started < DELAY_S
+    assert info.value.code == 504 and "no response within" in json.loads(info.value.read())["error"]
     import numpy as np
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
@@ -132,7 +139,7 @@ def test_deadline_header_bounds_the_wait_with_504(slow_pair, make_gateway) -> No
     with pytest.raises(InferenceServerException) as g_info:
         client.infer("lt_nocache", [inp], client_timeout=0.1)  # the gRPC call deadline
     assert g_info.value.status() == "StatusCode.DEADLINE_EXCEEDED"
-    status, _, body = _post(gw.http, **{"x-skewserve-timeout-ms": "soon"})
+    status, body = _post(gw.http, **{"x-skewserve-timeout-ms": "soon"})
     assert (
         status == 400
         and body["error"] == "x-skewserve-timeout-ms must be a number of milliseconds, got 'soon'"

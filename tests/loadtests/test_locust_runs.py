@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,19 @@ def stack(gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory):
     )
     with LocalStack(cfg, tmp_path_factory.mktemp("stack")) as s:
         yield s
+
+
+def _gateway_requests(stack: LocalStack) -> int:
+    """Sum of the gateway's skewserve_gateway_requests_total (every inference, whatever its outcome)."""
+    with urllib.request.urlopen(f"http://{stack.gateway_http}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return int(
+        sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("skewserve_gateway_requests_total{")
+        )
+    )
 
 
 def _loadtest(stack: LocalStack, protocol: str, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -67,14 +81,24 @@ def _loadtest(stack: LocalStack, protocol: str, out: Path, *extra: str) -> subpr
 def test_bounded_run_has_zero_failures_and_writes_reports(
     stack: LocalStack, tmp_path: Path, protocol: str
 ) -> None:
+    before = _gateway_requests(stack)
     res = _loadtest(stack, protocol, tmp_path, "--shape", "ramp")
     assert res.returncode == 0, res.stdout + res.stderr
+    served = _gateway_requests(stack) - before
     with open(tmp_path / "locust_stats.csv", newline="") as f:
         rows = {r["Name"]: r for r in csv.DictReader(f)}
     name = {"http": "http-json", "http-binary": "http-binary", "grpc": "grpc"}[protocol]
-    assert int(rows["Aggregated"]["Request Count"]) > 20
+    # How many requests fit in 3 s is a benchmark figure, not a test; what must hold is that the
+    # requests locust counted went through the gateway (its counter saw at least as many; it saw a
+    # dozen more in a 2,600-request run, e.g. requests still open when locust stopped) and none failed.
+    count = int(rows["Aggregated"]["Request Count"])
+    assert 1 <= count <= served, (count, served)
     assert int(rows["Aggregated"]["Failure Count"]) == 0
-    assert f"{name} lt" in rows and f"{name} lt_nocache" in rows
+    assert (
+        int(rows[f"{name} lt"]["Request Count"]) >= 1
+        and int(rows[f"{name} lt_nocache"]["Request Count"]) >= 1
+    )
+    assert sum(int(r["Request Count"]) for n, r in rows.items() if n != "Aggregated") == count
     assert "<html" in (tmp_path / "report.html").read_text().lower()
     with Image.open(tmp_path / "latency.png") as img:
         assert img.size[0] > 100

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,8 +17,6 @@ label_arrays = st.lists(st.integers(0, 5), min_size=8, max_size=400).map(lambda 
 def test_equal_lengths_and_per_class_balance_across_ranks(
     labels: np.ndarray, world: int, q: float, epoch: int
 ) -> None:
-    if len(labels) < world:
-        return
     samplers = [ClassBalancedSampler(labels, world, r, q=q, seed=7) for r in range(world)]
     shares = []
     for s in samplers:
@@ -35,8 +34,6 @@ def test_equal_lengths_and_per_class_balance_across_ranks(
 def test_natural_q_draws_each_sample_at_most_once_and_disjointly(
     labels: np.ndarray, world: int, epoch: int
 ) -> None:
-    if len(labels) < world:
-        return
     drawn = []
     for r in range(world):
         s = ClassBalancedSampler(labels, world, r, q=1.0, seed=3)
@@ -77,7 +74,36 @@ def test_two_ranks_same_count_and_mix_within_two_percent() -> None:
     assert np.abs(mix[0] - mix[1]).max() < 0.02
 
 
+def test_fewer_samples_than_ranks_is_refused() -> None:
+    with pytest.raises(ValueError, match="1 samples per epoch cannot give each of 2 ranks one sample"):
+        ClassBalancedSampler(np.array([0]), 2, 0)
+
+
+@pytest.mark.parametrize(
+    ("weights", "total", "want"),
+    [
+        ([1, 1, 1], 10, [4, 3, 3]),  # tie on remainders: the earliest wins (stable)
+        ([0.5, 0.3, 0.2], 7, [4, 2, 1]),  # 3.5, 2.1, 1.4: the one seat left goes to the .5
+        ([0.2, 0.3, 0.5], 7, [1, 2, 4]),
+        ([3, 1], 2, [2, 0]),  # 1.5, 0.5: tie again, first index
+        ([5, 3, 2], 0, [0, 0, 0]),
+        ([1], 9, [9]),
+    ],
+)
+def test_largest_remainder_exact_apportionments(weights: list[float], total: int, want: list[int]) -> None:
+    assert largest_remainder(np.array(weights, dtype=float), total).tolist() == want
+
+
 @given(weights=st.lists(st.floats(0.01, 100), min_size=1, max_size=10), total=st.integers(0, 1000))
-def test_largest_remainder_sums_to_total(weights: list[float], total: int) -> None:
+def test_largest_remainder_is_hamiltons_apportionment(weights: list[float], total: int) -> None:
     counts = largest_remainder(np.array(weights), total)
-    assert counts.sum() == total and (counts >= 0).all()
+    w = np.array(weights, dtype=np.float64)
+    exact = w / w.sum() * total  # computed as the function does, so floors agree to the last bit
+    floor = np.floor(exact).astype(int)
+    assert counts.sum() == total
+    # Each count is its quota rounded down, plus one seat for the largest remainders only.
+    extra = counts - floor
+    assert set(extra.tolist()) <= {0, 1}
+    remainders = exact - floor
+    if extra.any() and not extra.all():
+        assert remainders[extra == 1].min() >= remainders[extra == 0].max() - 1e-9

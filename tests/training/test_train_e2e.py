@@ -1,4 +1,4 @@
-"""Real training runs: torchrun with 2 gloo ranks, a killed run resumed, CLI errors."""
+"""Real training runs: torchrun with 2 gloo ranks, resume refusals, CLI errors (kills: test_train_kills.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from training.config import TrainConfig
 from training.errors import CheckpointError, TrainingError
 from training.launch import train
-from training.worker import FAULT_ENV
 
 
 @pytest.mark.slow
@@ -51,27 +49,6 @@ def test_torchrun_two_ranks_writes_a_complete_artifact(small_data: Path, tmp_pat
     assert sum(epochs[0]["class_counts_seen"]) == sum(epochs[0]["samples_per_rank"])
     # the slowed rank gets the smaller share once measured
     assert epochs[-1]["rank_shares"][1] < epochs[-1]["rank_shares"][0]
-
-
-def test_resume_after_kill_equals_uninterrupted(small_data: Path, tmp_path: Path) -> None:
-    base = dict(data_dir=small_data, epochs=4, global_batch_size=32, patience=None, progress=False)
-    full = train(TrainConfig(out_dir=tmp_path / "full", **base))  # type: ignore[arg-type]
-
-    cfg = TrainConfig(out_dir=tmp_path / "killed", **base)  # type: ignore[arg-type]
-    script = f"from training.config import TrainConfig; from training.launch import train; train(TrainConfig.model_validate_json({cfg.model_dump_json()!r}))"
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env={**__import__("os").environ, FAULT_ENV: "1"}, capture_output=True
-    )
-    assert proc.returncode == 137
-    assert not (tmp_path / "killed" / "metadata.json").exists()  # no artifact from a killed run
-    assert torch.load(tmp_path / "killed" / "checkpoints" / "last.pt", weights_only=False)["epoch"] == 1
-
-    resumed = train(TrainConfig(out_dir=tmp_path / "killed", resume=True, **base))  # type: ignore[arg-type]
-    assert resumed["metrics"] == full["metrics"]
-    a = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
-    b = torch.load(tmp_path / "killed" / "model.pt", weights_only=True)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
 def test_resume_refuses_changed_settings(small_data: Path, tmp_path: Path) -> None:
