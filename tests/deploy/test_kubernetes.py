@@ -70,6 +70,9 @@ def test_triton_waits_for_loading_before_liveness_and_reads_the_repository_from_
     assert "--model-repository=$(MODEL_REPOSITORY)" in container["args"]
     assert not container.get("volumeMounts")  # nothing baked in or mounted: object storage
     assert container["envFrom"] == [{"secretRef": {"name": "skewserve-model-store"}}]
+    generators = {g["name"]: g for g in _kustomization(K8S / "base")["configMapGenerator"]}
+    literals = dict(lit.split("=", 1) for lit in generators["skewserve-triton"]["literals"])
+    assert ObjectRepository.parse(literals["MODEL_REPOSITORY"]).url == "s3://skewserve-models/prod"
     images = {i["name"]: i for i in _kustomization(K8S / "base")["images"]}
     assert f"{images['tritonserver']['newName']}:{images['tritonserver']['newTag']}" == TARGET.image
 
@@ -144,12 +147,6 @@ def test_overlay_gateway_config_takes_its_home_region_from_the_environment(
     spill = _by_id(_docs(overlay / "region.yaml"))[("Service", "triton-spillover")]["metadata"]["annotations"]
     assert spill["external-dns.alpha.kubernetes.io/hostname"] == f"triton.{region}.skewserve.internal"
     assert spill["service.beta.kubernetes.io/aws-load-balancer-scheme"] == "internal"
-    literals = dict(
-        lit.split("=", 1)
-        for g in _kustomization(overlay)["configMapGenerator"]
-        for lit in g.get("literals", [])
-    )
-    assert ObjectRepository.parse(literals["MODEL_REPOSITORY"]).bucket == f"skewserve-models-{region}"
 
 
 @pytest.mark.parametrize("region", REGIONS)
