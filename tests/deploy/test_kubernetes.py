@@ -176,3 +176,23 @@ def test_rendered_overlay_is_valid_kubernetes(region: str, monkeypatch: pytest.M
     assert triton["image"] == TARGET.image
     assert all(d["metadata"].get("namespace") == "skewserve" for d in docs if d["kind"] != "Namespace")
     assert all(d["metadata"]["labels"]["skewserve.io/region"] == region for d in docs)
+
+
+def test_readme_creates_every_secret_the_manifests_reference() -> None:
+    readme = (ROOT / "README.md").read_text()
+    refs: set[tuple[str, str]] = set()
+    for doc in _base_resources():
+        for c in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            refs |= {
+                (e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+                for e in c.get("env", [])
+                if "secretKeyRef" in e.get("valueFrom", {})
+            }
+            refs |= {(s["secretRef"]["name"], "") for s in c.get("envFrom", []) if "secretRef" in s}
+    assert refs, "the manifests reference no Secret"
+    for name, key in refs:
+        assert f"create secret generic {name}" in readme, name
+        if key:
+            assert f"--from-literal={key}=" in readme, key
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert f"--from-literal={key}=" in readme
