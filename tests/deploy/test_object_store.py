@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tritonclient.http as httpclient
 
 from exporter.errors import PublishError, RolloutError
-from exporter.object_store import ObjectRepository, published_versions, s3_client
+from exporter.object_store import CLAIMS, ObjectRepository, published_versions, s3_client
 from exporter.pipeline import export_artifact
 from exporter.rollout import rollout
 from exporter.triton_config import parse
@@ -141,3 +142,50 @@ def test_rollout_reads_the_card_from_the_object_store(s3_env: dict[str, str]) ->
         RolloutError, match=r"^lt version 7 is not published in s3://rollout-missing/models/prod"
     ):
         rollout(NAME, 7, ["http://127.0.0.1:1"], repo.url)
+
+
+def _mirror(client: Any, repo: ObjectRepository, dest: Path) -> None:
+    """Every object under the repository prefix, as files: the tree Triton's S3 filesystem lists.
+
+    (The tritonserver in nvidia-pytriton has no S3 support; the NGC image reads the bucket itself.)
+    """
+    base = repo.key() + "/" if repo.prefix else ""
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=repo.bucket, Prefix=base):
+        for obj in page.get("Contents", []):
+            path = dest / obj["Key"].removeprefix(base)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(client.get_object(Bucket=repo.bucket, Key=obj["Key"])["Body"].read())
+
+
+@pytest.mark.slow
+def test_triton_loads_only_complete_versions_and_rollout_reads_the_store(
+    small_artifact: Path, s3_env: dict[str, str], tmp_path: Path, prepared_triton: Any
+) -> None:
+    from skewserve.triton_process import TritonServer, TritonServerSpec
+
+    client = s3_client()
+    repo = _bucket(client, "triton-view")
+    export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
+    # a half-uploaded version 2, as a publisher killed mid-version leaves it (see the SIGKILL test)
+    client.put_object(Bucket=repo.bucket, Key=repo.key(NAME, 2, "model.onnx"), Body=b"half an upload")
+    client.put_object(Bucket=repo.bucket, Key=repo.key(NAME, CLAIMS, 2), Body=b"")
+    mirror = tmp_path / "mirror"
+    _mirror(client, repo, mirror)
+    assert (mirror / NAME / "2" / "model.onnx").is_file()
+
+    spec = TritonServerSpec(repository=mirror, model_control_mode="explicit", load_models=(NAME,))
+    server = TritonServer(spec, tmp_path / "logs", prepared_triton)
+    server.start()
+    try:
+        http = httpclient.InferenceServerClient(server.http_address)
+        # the folder of version 2 is listed, but the config names complete versions only
+        assert http.is_model_ready(NAME, "1") and not http.is_model_ready(NAME, "2")
+
+        third = export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
+        assert third.published.version == 3
+        _mirror(client, repo, mirror)
+        done = rollout(NAME, 3, [server.http_url], repo.url)
+        assert [d.previous_versions for d in done] == [["1"]]
+        assert http.is_model_ready(NAME, "3") and not http.is_model_ready(NAME, "2")
+    finally:
+        server.stop()
