@@ -52,8 +52,16 @@ def test_publish_twice_gives_next_version_with_configs_naming_complete_versions(
     client = s3_client()
     repo = _bucket(client, "twice")
     first = export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
-    second = export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
-    assert (first.published.version, second.published.version) == (1, 2)
+    second = subprocess.run(  # the command line, as a user runs it
+        [sys.executable, "-m", "skewserve.cli", "export", "--artifact", str(small_artifact)]
+        + ["--repo", repo.url, "--name", NAME, "--tensorrt", "off"],
+        env={**os.environ, **s3_env},
+        capture_output=True,
+        text=True,
+    )
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert first.published.version == 1
+    assert "published lt version 2 at s3://twice/models/prod/lt/2\n" in second.stdout
     assert published_versions(repo, NAME) == [1, 2]
     # keep_versions=2 (the exporter's `latest { num_versions: 2 }`) resolved to complete versions
     assert _pinned(client, repo) == [1, 2] and _pinned(client, repo, "configs/local.pbtxt") == [1, 2]
