@@ -42,11 +42,13 @@ $(STAMP): $(LOCK) pyproject.toml | $(BIN)/python
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# Debian packages the tests use for real: redis-server (shared cache) and promtool (rules checks).
+# Debian packages the tests use for real: redis-server (shared cache), promtool (rules checks) and
+# docker-compose (its `config` validates deploy/compose.yaml against the Compose schema; no engine runs).
 $(APT_STAMP): | $(BIN)/python
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing Debian packages:$$missing"; \

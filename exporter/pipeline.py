@@ -20,6 +20,7 @@ from exporter.graph import ServingModule
 from exporter.onnx_export import OPSET, convert_fp16, export_onnx
 from exporter.parity import ParityReport, compare, onnxruntime_runner, parity_rows, require, torch_runner
 from exporter.publish import CARD, Published, new_staging_dir, publish_version
+from exporter.target import TARGET
 from exporter.triton_config import LOCAL_PROFILE, ConfigOptions, gpu_config, local_config, render
 from training.artifact import load_model
 
@@ -54,15 +55,25 @@ def _sha256(path: Path) -> str:
 
 def export_artifact(
     artifact: Path,
-    repo: Path,
+    repo: Path | str,
     name: str,
     version: int | None = None,
     precision: str = "fp32",
     tensorrt: str = "auto",
     options: ConfigOptions | None = None,
 ) -> ExportResult:
-    """Export, verify and publish one version; nothing becomes visible unless every check passed."""
+    """Export, verify and publish one version; nothing becomes visible unless every check passed.
+
+    `repo` is a folder, or `s3://bucket/prefix` for a repository on object storage.
+    """
+    from exporter.object_store import export_to_object_store, is_object_store_url
     from exporter.tensorrt_build import build_plan, resolve_mode, tensorrt_runner
+
+    if is_object_store_url(repo):
+        return export_to_object_store(
+            export_artifact, artifact, str(repo), name, version,
+            precision=precision, tensorrt=tensorrt, options=options,
+        )  # fmt: skip
 
     if precision not in ("fp32", "fp16"):
         raise ExportError(f"--precision must be fp32 or fp16, got {precision!r}")
@@ -130,6 +141,7 @@ def export_artifact(
                 "opset": OPSET,
                 "onnx_ir_version": served.ir_version,
                 "tensorrt": use_trt,
+                "serving_target": TARGET.as_dict(),  # the Triton image (and TensorRT) this is built for
                 "max_batch_size": opts.max_batch_size,
                 "options": opts.model_dump(),
                 "parity_rows": rows_note,

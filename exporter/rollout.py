@@ -21,7 +21,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from exporter.contract import INPUT_NAME, PROBABILITIES
-from exporter.errors import RolloutError
+from exporter.errors import PublishError, RolloutError
+from exporter.object_store import ObjectRepository, is_object_store_url, read_card
 from exporter.publish import CARD
 
 logger = logging.getLogger(__name__)
@@ -69,20 +70,31 @@ def _rollback(client: httpclient.InferenceServerClient, name: str, previous: lis
     return f"pinned back to version(s) {', '.join(previous)}"
 
 
-def rollout(
-    name: str,
-    version: int,
-    servers: list[str],
-    repo: Path,
-    ready_timeout_s: float = 60.0,
-) -> list[ServerRollout]:
-    """Load `version` of `name` on each server in turn; raise RolloutError after rolling back a failure."""
+def _published_card(repo: Path | str, name: str, version: int) -> dict[str, Any]:
+    """The version's model card from a disk repository or an `s3://` one (complete versions only)."""
+    if is_object_store_url(repo):
+        try:
+            return read_card(ObjectRepository.parse(str(repo)), name, version)
+        except PublishError as exc:
+            raise RolloutError(str(exc)) from exc
     card_path = Path(repo) / name / str(version) / CARD
     if not card_path.is_file():
         raise RolloutError(
             f"{name} version {version} is not published in {repo} (no {CARD}); export it first"
         )
-    card = json.loads(card_path.read_text())
+    card: dict[str, Any] = json.loads(card_path.read_text())
+    return card
+
+
+def rollout(
+    name: str,
+    version: int,
+    servers: list[str],
+    repo: Path | str,
+    ready_timeout_s: float = 60.0,
+) -> list[ServerRollout]:
+    """Load `version` of `name` on each server in turn; raise RolloutError after rolling back a failure."""
+    card = _published_card(repo, name, version)
     tolerance = float(card["canary"]["tolerance"])
     done: list[ServerRollout] = []
     for server in servers:

@@ -37,12 +37,45 @@ class ServerConfig(_Strict):
         return v
 
 
+class DiscoveryConfig(_Strict):
+    """Servers found from DNS: every A record of `dns_name` (a headless Service) is one server."""
+
+    dns_name: str = Field(
+        min_length=1, description="name to resolve, e.g. triton.skewserve.svc.cluster.local"
+    )
+    http_port: int = Field(default=8000, gt=0, lt=65536, description="Triton HTTP port on each address")
+    grpc_port: int = Field(default=8001, gt=0, lt=65536, description="Triton gRPC port on each address")
+    interval_s: float = Field(default=5.0, gt=0, description="re-resolution period")
+    nameserver: str | None = Field(
+        default=None, description="host:port of the DNS server; unset = the system's (resolv.conf)"
+    )
+
+    @field_validator("nameserver")
+    @classmethod
+    def _nameserver(cls, v: str | None) -> str | None:
+        if v is not None:
+            host, _, port = v.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"{v!r} is not host:port (e.g. 10.96.0.10:53)")
+        return v
+
+
 class RegionConfig(_Strict):
     name: str
-    servers: list[ServerConfig] = Field(min_length=1)
+    servers: list[ServerConfig] = Field(default_factory=list, description="static servers")
+    discover: DiscoveryConfig | None = Field(
+        default=None,
+        description="servers from DNS, re-resolved; added after a passing probe, removed ones drain",
+    )
     rtt_ms: float | None = Field(
         default=None, ge=0, description="fixed RTT for spill-over order; measured when unset"
     )
+
+    @model_validator(mode="after")
+    def _has_servers(self) -> RegionConfig:
+        if not self.servers and self.discover is None:
+            raise ValueError(f"region {self.name!r} needs servers or discover (a DNS name)")
+        return self
 
 
 class ListenConfig(_Strict):

@@ -16,6 +16,7 @@ from gateway.auth import Authenticator, Principal
 from gateway.balancer import make_balancer
 from gateway.cache import Coalescer, MemoryCache, RedisCache, ResponseCache
 from gateway.config import GatewayConfig
+from gateway.discovery import Discovery
 from gateway.dispatch import Attempt, Dispatcher, Outcome
 from gateway.errors import NoReadyServer, Overloaded
 from gateway.health import HealthChecker, OutlierDetector
@@ -53,6 +54,7 @@ class Gateway:
         self.health = HealthChecker(self.servers, cfg.health, cfg.upstream_protocol, self.detector, clock)
         self.dispatcher = Dispatcher(cfg, self.router, self.detector, self.metrics, clock)
         self.auth = Authenticator(cfg.auth, clock)
+        self.discovery = Discovery(self)  # regions with `discover`: servers from DNS
         self.cache: ResponseCache | None = None
         if cfg.cache.backend == "memory":
             self.cache = MemoryCache(
@@ -78,8 +80,10 @@ class Gateway:
     async def start(self) -> None:
         await self.health.probe_all()  # route from the first request on, not after one interval
         self.health.start()
+        await self.discovery.start()
 
     async def stop(self) -> None:
+        await self.discovery.stop()
         await self.health.stop()
         for s in self.servers:
             await s.close()

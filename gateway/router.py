@@ -31,7 +31,7 @@ class Region:
 
     def skew_index(self) -> float:
         """max/mean in-flight across the region's servers (1.0 = perfectly even; 0 when idle)."""
-        loads = [s.inflight for s in self.servers]
+        loads = [s.inflight for s in self.servers] or [0]  # a discovered region may be empty
         mean = sum(loads) / len(loads)
         return max(loads) / mean if mean > 0 else 0.0
 

@@ -295,7 +295,11 @@ def print_training_summary(meta: dict, out: Path) -> None:
 @app.command("export")
 def export_command(
     artifact: Path = typer.Option(..., "--artifact", help="Artifact directory written by `skewserve train`."),
-    repo: Path = typer.Option(Path("model_repository"), "--repo", help="Triton model repository."),
+    repo: str = typer.Option(
+        "model_repository",
+        "--repo",
+        help="Triton model repository: a folder, or s3://BUCKET/PREFIX (endpoint from AWS_ENDPOINT_URL_S3).",
+    ),
     name: str = typer.Option(..., "--name", help="Model name (folder and URL part)."),
     version: int | None = typer.Option(
         None, "--version", help="Version to publish; default max+1. Never overwrites."
@@ -322,7 +326,7 @@ def export_command(
         with console.status(text(f"exporting {artifact} as {name}")):
             result = export_artifact(
                 artifact,
-                repo,
+                repo if repo.startswith("s3://") else Path(repo),
                 name,
                 version=version,
                 precision=precision,
@@ -336,7 +340,12 @@ def export_command(
         notice(line)
     for report in result.parity:
         say(f"parity {report.summary()}")
-    say(f"published {result.published.name} version {result.published.version} at {result.published.path}")
+    where = (
+        f"{repo.rstrip('/')}/{name}/{result.published.version}"
+        if repo.startswith("s3://")
+        else result.published.path
+    )
+    say(f"published {result.published.name} version {result.published.version} at {where}")
 
 
 @app.command("rollout")
@@ -350,7 +359,9 @@ def rollout_command(
         None, "--regions", help="Regions from the gateway config (--config), instead of --servers."
     ),
     config: Path | None = typer.Option(None, "--config", help="Gateway config file, with --regions."),
-    repo: Path = typer.Option(Path("model_repository"), "--repo"),
+    repo: str = typer.Option(
+        "model_repository", "--repo", help="The repository the version was published to: folder or s3://..."
+    ),
     ready_timeout: float = typer.Option(60.0, "--ready-timeout"),
 ) -> None:
     """Load a version on running Triton servers one by one, canary-check each, roll back on failure."""
@@ -375,7 +386,13 @@ def rollout_command(
     if not urls:
         raise typer.BadParameter("give --servers URL,... or --regions with --config", param_hint="--servers")
     try:
-        done = rollout(name, version, urls, repo, ready_timeout_s=ready_timeout)
+        done = rollout(
+            name,
+            version,
+            urls,
+            repo if repo.startswith("s3://") else Path(repo),
+            ready_timeout_s=ready_timeout,
+        )
     except RolloutError as exc:
         error(exc, label="rollout failed")
         raise typer.Exit(1) from exc

@@ -1,0 +1,161 @@
+"""deploy/compose.yaml (one GPU host), checked by Debian's docker-compose (its Compose-spec JSON
+schema and interpolation; no Docker engine runs here) and by explicit structure assertions."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from exporter.target import TARGET
+from gateway.config import ConfigError, load_gateway_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+SECRETS = {
+    "SKEWSERVE_CACHE_HMAC_SECRET": "c" * 64,
+    "SKEWSERVE_API_KEYS": '[{"name": "team-a", "sha256": "' + "a" * 64 + '"}]',
+    "GRAFANA_ADMIN_PASSWORD": "grafana-admin-password",
+}
+
+
+def _compose(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    binary = shutil.which("docker-compose")
+    assert binary, "docker-compose is required (Debian package docker-compose; make setup installs it)"
+    clean = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    return subprocess.run(
+        [binary, "-f", str(DEPLOY / "compose.yaml"), *args],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        cwd=DEPLOY,
+    )
+
+
+def _volumes(service: dict[str, Any]) -> list[dict[str, Any]]:
+    """Volumes in long form (docker-compose 1.29 keeps the short `source:target:ro` strings)."""
+    out = []
+    for v in service.get("volumes", []):
+        if isinstance(v, str):
+            source, target, *mode = v.split(":")
+            kind = "bind" if source.startswith(("/", ".")) else "volume"
+            v = {"type": kind, "source": source, "target": target, "read_only": mode == ["ro"]}
+        out.append(v)
+    return out
+
+
+def _host_ips(service: dict[str, Any]) -> list[str]:
+    return [
+        (p.rsplit(":", 2)[0] if p.count(":") == 2 else "") if isinstance(p, str) else p.get("host_ip", "")
+        for p in service.get("ports", [])
+    ]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, Any]:
+    res = _compose(["config"], SECRETS)
+    assert res.returncode == 0, res.stderr
+    data: dict[str, Any] = yaml.safe_load(res.stdout)
+    return data
+
+
+def test_compose_refuses_to_start_without_each_secret() -> None:
+    for missing in SECRETS:
+        res = _compose(["config", "-q"], {k: v for k, v in SECRETS.items() if k != missing})
+        assert res.returncode != 0 and f"set {missing}" in res.stderr, (missing, res.stderr)
+
+
+def test_triton_runs_the_pinned_image_on_a_reserved_gpu(rendered: dict[str, Any]) -> None:
+    triton = rendered["services"]["triton"]
+    assert triton["image"] == TARGET.image
+    assert triton["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+    ]
+    args = triton["command"]
+    assert "--model-repository=/models" in args and "--model-control-mode=explicit" in args
+    # the repository API is reachable from this host only (rollout), never from outside
+    assert _host_ips(triton) == ["127.0.0.1", "127.0.0.1"]
+    assert [v for v in _volumes(triton) if v["target"] == "/models"][0]["read_only"] is True
+    assert triton["healthcheck"]["test"][-1].endswith("/v2/health/ready")
+
+
+def test_repository_location_can_be_object_storage() -> None:
+    res = _compose(["config"], {**SECRETS, "SKEWSERVE_MODEL_REPOSITORY": "s3://models-bucket/prod"})
+    assert res.returncode == 0, res.stderr
+    args = yaml.safe_load(res.stdout)["services"]["triton"]["command"]
+    assert "--model-repository=s3://models-bucket/prod" in args
+
+
+def test_gateway_gets_its_config_and_secrets_and_starts_after_its_dependencies(
+    rendered: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gw = rendered["services"]["gateway"]
+    assert (ROOT / gw["build"]["dockerfile"]).is_file()
+    mount = next(v for v in _volumes(gw) if v["target"] == "/etc/skewserve/gateway.yaml")
+    config_file = Path(mount["source"])
+    with pytest.raises(ConfigError, match=r"cache\.hmac_secret must be set"):
+        load_gateway_config(config_file)
+    for key, value in gw["environment"].items():
+        monkeypatch.setenv(key, value)
+    cfg = load_gateway_config(config_file)
+    assert cfg.auth.keys[0].name == "team-a" and cfg.cache.backend == "redis"
+    servers = {s.http.split(":")[0] for r in cfg.regions for s in r.servers}
+    assert servers == {"triton"} and cfg.cache.redis_url.startswith("redis://redis:")
+    assert gw["depends_on"] == {
+        "triton": {"condition": "service_healthy"},
+        "redis": {"condition": "service_healthy"},
+    }
+    grace = int(gw["stop_grace_period"].removesuffix("s"))
+    assert grace > cfg.drain.grace_s + cfg.drain.timeout_s
+
+
+def test_every_bind_mount_exists_and_prometheus_config_passes_promtool(
+    rendered: dict[str, Any], tmp_path: Path
+) -> None:
+    mounts = {
+        v["target"]: Path(v["source"])
+        for svc in rendered["services"].values()
+        for v in _volumes(svc)
+        if v["type"] == "bind"
+    }
+    for target, source in mounts.items():
+        if target != "/models":  # the repository is the user's (README: export first)
+            assert source.exists(), f"{source} (mounted at {target}) does not exist"
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is required (Debian package prometheus)"
+    prom = mounts["/etc/prometheus/prometheus.yml"].read_text()
+    (tmp_path / "prometheus.yml").write_text(
+        prom.replace("/etc/prometheus/rules.yml", str(mounts["/etc/prometheus/rules.yml"]))
+    )
+    res = subprocess.run(
+        [promtool, "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    targets = {
+        t for sc in yaml.safe_load(prom)["scrape_configs"] for c in sc["static_configs"] for t in c["targets"]
+    }
+    assert targets == {"gateway:8080", "triton:8002"}
+
+
+def test_grafana_is_provisioned_with_the_datasource_and_dashboard(rendered: dict[str, Any]) -> None:
+    grafana = rendered["services"]["grafana"]
+    mounts = {v["target"]: Path(v["source"]) for v in _volumes(grafana)}
+    provisioning = mounts["/etc/grafana/provisioning"]
+    ds = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"][0]
+    assert ds["type"] == "prometheus" and ds["url"] == "http://prometheus:9090" and ds["isDefault"]
+    provider = yaml.safe_load((provisioning / "dashboards" / "skewserve.yaml").read_text())["providers"][0]
+    dashboard_dir = provider["options"]["path"]
+    dashboards = [t for t in mounts if t.startswith(dashboard_dir + "/")]
+    assert [mounts[t].name for t in dashboards] == ["skewserve-gateway.json"]
+
+
+def test_images_are_pinned_by_exact_tag(rendered: dict[str, Any]) -> None:
+    for name, svc in rendered["services"].items():
+        image = svc["image"]
+        tag = image.rsplit(":", 1)[1] if ":" in image.rsplit("/", 1)[-1] else ""
+        assert tag and tag != "latest" and any(c.isdigit() for c in tag), f"{name}: {image} is not pinned"

@@ -1,0 +1,199 @@
+"""Publishing to an S3-compatible store (moto's server, a real process) keeps the disk guarantees."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tritonclient.http as httpclient
+
+from exporter.errors import PublishError, RolloutError
+from exporter.object_store import CLAIMS, ObjectRepository, published_versions, s3_client
+from exporter.pipeline import export_artifact
+from exporter.rollout import rollout
+from exporter.triton_config import parse
+from tests.deploy.conftest import HoldingProxy, S3Server
+
+NAME = "lt"
+
+
+def _bucket(client: Any, name: str) -> ObjectRepository:
+    client.create_bucket(Bucket=name)
+    return ObjectRepository.parse(f"s3://{name}/models/prod")
+
+
+def _objects(client: Any, repo: ObjectRepository, *parts: str | int) -> dict[str, str]:
+    """key -> sha256 of every object under a prefix."""
+    prefix = repo.key(*parts) + "/"
+    out = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=repo.bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            body = client.get_object(Bucket=repo.bucket, Key=obj["Key"])["Body"].read()
+            out[obj["Key"].removeprefix(prefix)] = hashlib.sha256(body).hexdigest()
+    return out
+
+
+def _pinned(client: Any, repo: ObjectRepository, config: str = "config.pbtxt") -> list[int]:
+    text = client.get_object(Bucket=repo.bucket, Key=repo.key(NAME, config))["Body"].read().decode()
+    return list(parse(text).version_policy.specific.versions)
+
+
+def test_publish_twice_gives_next_version_with_configs_naming_complete_versions(
+    small_artifact: Path, s3_env: dict[str, str]
+) -> None:
+    client = s3_client()
+    repo = _bucket(client, "twice")
+    first = export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
+    second = subprocess.run(  # the command line, as a user runs it
+        [sys.executable, "-m", "skewserve.cli", "export", "--artifact", str(small_artifact)]
+        + ["--repo", repo.url, "--name", NAME, "--tensorrt", "off"],
+        env={**os.environ, **s3_env},
+        capture_output=True,
+        text=True,
+    )
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert first.published.version == 1
+    assert "published lt version 2 at s3://twice/models/prod/lt/2\n" in second.stdout
+    assert published_versions(repo, NAME) == [1, 2]
+    # keep_versions=2 (the exporter's `latest { num_versions: 2 }`) resolved to complete versions
+    assert _pinned(client, repo) == [1, 2] and _pinned(client, repo, "configs/local.pbtxt") == [1, 2]
+    v1 = _objects(client, repo, NAME, 1)
+    assert set(v1) == {"model.onnx", "model.py", "model_card.json"}
+    card = json.loads(
+        client.get_object(Bucket=repo.bucket, Key=repo.key(NAME, 1, "model_card.json"))["Body"].read()
+    )
+    assert {k: v for k, v in v1.items() if k != "model_card.json"} == card["export"]["files"]
+    assert card["export"]["serving_target"]["image"].startswith("nvcr.io/nvidia/tritonserver:")
+
+    with pytest.raises(
+        PublishError, match=r"^lt version 2 already exists in s3://twice/models/prod; versions are immutable"
+    ):
+        export_artifact(small_artifact, repo.url, NAME, version=2, tensorrt="off")
+    assert _objects(client, repo, NAME, 1) == v1  # earlier versions untouched
+
+
+def test_bad_bucket_is_a_publish_error_naming_the_fix(small_artifact: Path, s3_env: dict[str, str]) -> None:
+    with pytest.raises(PublishError, match=r"^object store s3://no-such-bucket/m: .*check the bucket exists"):
+        export_artifact(small_artifact, "s3://no-such-bucket/m", NAME, tensorrt="off")
+
+
+@pytest.mark.parametrize(
+    ("held", "complete_after_kill"),
+    [
+        # killed with the version's files half uploaded: the card (uploaded last) is missing
+        (rb"PUT /[\w-]+/models/prod/lt/2/model_card\.json ", [1]),
+        # killed after the card, before the commit of config.pbtxt: complete, not yet current
+        (rb"PUT /[\w-]+/models/prod/lt/config\.pbtxt ", [1, 2]),
+    ],
+    ids=["mid-version", "before-commit"],
+)
+def test_sigkilled_export_leaves_no_partial_version_visible(
+    small_artifact: Path,
+    s3_server: S3Server,
+    s3_env: dict[str, str],
+    held: bytes,
+    complete_after_kill: list[int],
+) -> None:
+    client = s3_client()
+    bucket = "killed-" + ("a" if b"card" in held else "b")
+    repo = _bucket(client, bucket)
+    export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
+    v1 = _objects(client, repo, NAME, 1)
+
+    proxy = HoldingProxy(int(s3_server.endpoint.rsplit(":", 1)[1]), held)
+    env = {**os.environ, **s3_env, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{proxy.port}"}
+    cmd = [sys.executable, "-m", "skewserve.cli", "export", "--artifact", str(small_artifact)]
+    proc = subprocess.Popen(
+        [*cmd, "--repo", repo.url, "--name", NAME, "--tensorrt", "off"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not proxy.held.wait(timeout=0.2):  # the export trains nothing but runs parity: bounded
+            assert proc.poll() is None, proc.communicate()[0].decode()
+            assert time.monotonic() < deadline, "the publisher never reached the held request"
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proxy.close()
+
+    assert "model.onnx" in _objects(client, repo, NAME, 2)  # it really died mid-publish
+    assert published_versions(repo, NAME) == complete_after_kill
+    assert _pinned(client, repo) == [1]  # Triton still loads exactly what it loaded before
+    assert _objects(client, repo, NAME, 1) == v1
+
+    # the next publish takes a fresh number (2 stays claimed) and becomes current
+    third = export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
+    assert third.published.version == 3
+    assert published_versions(repo, NAME) == [*complete_after_kill, 3]
+    assert _pinned(client, repo) == [*complete_after_kill, 3][-2:]
+    assert _objects(client, repo, NAME, 1) == v1
+
+
+def test_rollout_reads_the_card_from_the_object_store(s3_env: dict[str, str]) -> None:
+    client = s3_client()
+    repo = _bucket(client, "rollout-missing")
+    with pytest.raises(
+        RolloutError, match=r"^lt version 7 is not published in s3://rollout-missing/models/prod"
+    ):
+        rollout(NAME, 7, ["http://127.0.0.1:1"], repo.url)
+
+
+def _mirror(client: Any, repo: ObjectRepository, dest: Path) -> None:
+    """Every object under the repository prefix, as files: the tree Triton's S3 filesystem lists.
+
+    (The tritonserver in nvidia-pytriton has no S3 support; the NGC image reads the bucket itself.)
+    """
+    base = repo.key() + "/" if repo.prefix else ""
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=repo.bucket, Prefix=base):
+        for obj in page.get("Contents", []):
+            path = dest / obj["Key"].removeprefix(base)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(client.get_object(Bucket=repo.bucket, Key=obj["Key"])["Body"].read())
+
+
+@pytest.mark.slow
+def test_triton_loads_only_complete_versions_and_rollout_reads_the_store(
+    small_artifact: Path, s3_env: dict[str, str], tmp_path: Path, prepared_triton: Any
+) -> None:
+    from skewserve.triton_process import TritonServer, TritonServerSpec
+
+    client = s3_client()
+    repo = _bucket(client, "triton-view")
+    export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
+    # a half-uploaded version 2, as a publisher killed mid-version leaves it (see the SIGKILL test)
+    client.put_object(Bucket=repo.bucket, Key=repo.key(NAME, 2, "model.onnx"), Body=b"half an upload")
+    client.put_object(Bucket=repo.bucket, Key=repo.key(NAME, CLAIMS, 2), Body=b"")
+    mirror = tmp_path / "mirror"
+    _mirror(client, repo, mirror)
+    assert (mirror / NAME / "2" / "model.onnx").is_file()
+
+    spec = TritonServerSpec(repository=mirror, model_control_mode="explicit", load_models=(NAME,))
+    server = TritonServer(spec, tmp_path / "logs", prepared_triton)
+    server.start()
+    try:
+        http = httpclient.InferenceServerClient(server.http_address)
+        # the folder of version 2 is listed, but the config names complete versions only
+        assert http.is_model_ready(NAME, "1") and not http.is_model_ready(NAME, "2")
+
+        third = export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
+        assert third.published.version == 3
+        _mirror(client, repo, mirror)
+        done = rollout(NAME, 3, [server.http_url], repo.url)
+        assert [d.previous_versions for d in done] == [["1"]]
+        assert http.is_model_ready(NAME, "3") and not http.is_model_ready(NAME, "2")
+    finally:
+        server.stop()
