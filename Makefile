@@ -44,7 +44,7 @@ $(STAMP): $(LOCK) pyproject.toml | $(BIN)/python
 
 # Debian packages the tests use for real: redis-server (shared cache), promtool (rules checks) and
 # docker-compose (its `config` validates deploy/compose.yaml against the Compose schema; no engine runs).
-$(APT_STAMP): | $(BIN)/python
+$(APT_STAMP): Makefile | $(BIN)/python
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v promtool >/dev/null || missing="$$missing prometheus"; \
