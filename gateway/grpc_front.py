@@ -19,6 +19,7 @@ from tritonclient.grpc import service_pb2 as pb
 from gateway.cache import cache_key_async
 from gateway.core import Gateway
 from gateway.errors import BadRequest, GatewayError, grpc_code_for
+from gateway.limits import client_address
 from gateway.upstream import UpstreamServer
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,9 @@ class GrpcFront:
             req = pb.ModelInferRequest.FromString(request)
             model, version = req.model_name, req.model_version
             request_id = request_id or req.id or os.urandom(8).hex()
-            gw.admit(model, md.get("authorization"), md.get("x-api-key"))
+            await gw.admit(
+                model, md.get("authorization"), md.get("x-api-key"), client_address(context.peer())
+            )
             if self.max_batch:
                 for inp in req.inputs:
                     if inp.shape and inp.shape[0] > self.max_batch:
@@ -226,7 +229,7 @@ class GrpcFront:
             answered = pb.ModelInferResponse.FromString(raw).model_version
             return raw, (raw if resolved and answered == resolved else None)
 
-        raw, state = await gw.cached(key, model, fetch, lambda b: b)
+        raw, state = await gw.cached(key, model, fetch, lambda b: b, deadline)
         if state != "miss":
             raw = _restamp(raw, request_id)
         return raw, (route_box[0] if route_box else None), state
