@@ -19,7 +19,10 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
+from gateway.coalesce import Coalescer
 from gateway.redis_link import RedisLink, RedisUnavailable
+
+__all__ = ["Coalescer", "MemoryCache", "RedisCache", "ResponseCache", "cache_key", "cache_key_async"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -217,7 +220,7 @@ class RedisCache:
             key, value = await self._queue.get()
             entry = self._tag(key, value) + value
             try:
-                await self.link.call("set", lambda c, k=self._key(key), e=entry: c.set(k, e, px=self.ttl_ms))
+                await self.link.call("set", self._setter(self._key(key), entry))
             except RedisUnavailable:
                 self._dropped()
 

@@ -118,7 +118,7 @@ def secret_weakness(secret: str) -> str | None:
         return f"is a placeholder (contains {marker!r}), not a secret"
     counts = [secret.count(c) for c in set(secret)]
     # Shannon estimate of the characters' entropy times the length: what a guesser faces at best.
-    bits = -sum(n * math.log2(n / len(secret)) for n in counts)
+    bits = max(0.0, -sum(n * math.log2(n / len(secret)) for n in counts))
     if len(counts) < 8 or bits < 64:
         return (
             f"has too little entropy ({len(counts)} distinct characters, about {bits:.0f} bits; 64+ needed)"

@@ -113,9 +113,15 @@ class RedisLink:
         on_open: Callable[[], None] | None = None,
     ) -> None:
         import redis.asyncio as redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
 
         self.url = url
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        # No client-side retries: redis-py's default retries a timed-out call with back-off, which
+        # multiplies what one request pays; the breaker decides when to try Redis again.
+        self.client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+        )
         self.timeout_s = timeout_s
         self.breaker = CircuitBreaker(failures, cooldown_s, clock)
         self.on_open = on_open
@@ -134,11 +140,9 @@ class RedisLink:
         """Run `fn(client)`; RedisUnavailable when the breaker is open or the call fails."""
         if not self.available():
             raise RedisUnavailable("redis circuit breaker is open")
-        import redis
-
         try:
             result = await asyncio.wait_for(fn(self.client), self.timeout_s * 2)
-        except (redis.RedisError, OSError, asyncio.TimeoutError) as exc:
+        except Exception as exc:  # any failure of Redis or its client fails open, never the request
             self._failed(what, exc)
             raise RedisUnavailable(f"redis {what} failed: {exc}") from exc
         self._succeeded()
@@ -146,7 +150,7 @@ class RedisLink:
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.log.warning(
-            f"redis-{what}", "redis %s failed (%s); failing open", what, str(exc) or type(exc).__name__
+            f"redis-{what}", "redis %s failed (%s: %s); failing open", what, type(exc).__name__, exc
         )
         if self.breaker.failure():
             logger.warning(
@@ -162,15 +166,18 @@ class RedisLink:
             logger.info("redis at %s answers again; circuit breaker closed", self._safe_url())
 
     async def _run_probe(self) -> None:
-        import redis
-
         try:
             await asyncio.wait_for(self.client.ping(), self.timeout_s * 2)
-        except (redis.RedisError, OSError, asyncio.TimeoutError) as exc:
+        except Exception as exc:  # whatever Redis or its client raised, the probe failed
             self.breaker.failure()
-            self.log.warning("redis-probe", "redis probe failed (%s); breaker stays open", exc)
+            self.log.warning(
+                "redis-probe", "redis probe failed (%s: %s); breaker stays open", type(exc).__name__, exc
+            )
         else:
             self._succeeded()
+        finally:
+            if self.breaker.state == "half_open":  # cancelled mid-probe: never stay half-open
+                self.breaker.failure()
 
     def _safe_url(self) -> str:
         return self.url.rsplit("@", 1)[-1]  # never log a password carried in the URL

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import shutil
 import subprocess
 from pathlib import Path
@@ -90,7 +91,7 @@ def test_kubernetes_manifests_parse_and_embed_a_valid_gateway_config(tmp_path: P
         assert d["apiVersion"] and d["metadata"]["name"]
     config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["gateway.yaml"]
     (tmp_path / "gw.yaml").write_text(
-        config.replace("set-by-env-SKEWSERVE_GATEWAY_CACHE__HMAC_SECRET", "x" * 32)
+        config.replace("set-by-env-SKEWSERVE_GATEWAY_CACHE__HMAC_SECRET", secrets.token_hex(32))
     )
     cfg = load_gateway_config(tmp_path / "gw.yaml")
     assert cfg.home_region == "us-east" and cfg.cache.backend == "redis"
@@ -110,7 +111,9 @@ def test_dockerfiles_copy_only_what_exists(name: str) -> None:
     assert "HEALTHCHECK" in text and "ENTRYPOINT" in text
 
 
-def test_example_configs_are_valid() -> None:
+def test_example_configs_are_valid(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The example carries no HMAC secret (it is refused without one): give it one the way deployments do.
+    monkeypatch.setenv("SKEWSERVE_GATEWAY_CACHE__HMAC_SECRET", secrets.token_hex(32))
     load_gateway_config(DEPLOY / "gateway.example.yaml")
     cfg = load_stack_config(DEPLOY / "stack.local.yaml")
     assert cfg.regions == {"us-east": 2, "eu-west": 1}
