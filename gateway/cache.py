@@ -26,7 +26,9 @@ __all__ = ["Coalescer", "MemoryCache", "RedisCache", "ResponseCache", "cache_key
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-KEY_VERSION = b"v1"
+# v2: entries' HMAC covers namespace and key. Bumped so replicas of both formats, side by side
+# during a rolling upgrade, never read each other's entries (which would count as tampering).
+KEY_VERSION = b"v2"
 TAG_DOMAIN = b"skewserve-cache-entry-v2\0"
 
 
