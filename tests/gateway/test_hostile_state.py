@@ -237,24 +237,59 @@ def test_followers_end_at_their_own_deadline_behind_a_stuck_leader(solo, make_ga
     x = _row(10)
     expected = _direct(solo, x)
     triton = _triton(solo)
+    inp = grpcclient.InferInput("features", [1, 8], "FP32")
+    inp.set_data_from_numpy(x)
+    grpc_leader_done = threading.Event()
+    grpc_leader: dict[str, Any] = {}
+
+    def grpc_leader_callback(result: Any, error: Any) -> None:
+        grpc_leader.update(result=result, error=error)
+        grpc_leader_done.set()
+
+    def grpc_follower(out: dict[str, Any]) -> None:
+        try:  # its own 0.5 s deadline through the gateway's header; the client itself waits longer
+            grpcclient.InferenceServerClient(gw.grpc).infer(
+                "lt", [inp], headers={"x-skewserve-timeout-ms": "500"}, client_timeout=30
+            )
+            out["status"] = "OK"
+        except InferenceServerException as exc:
+            out["status"], out["message"] = exc.status(), exc.message()
+        out["leader_done_first"] = grpc_leader_done.is_set()
+
     os.kill(triton.pid, signal.SIGSTOP)  # type: ignore[arg-type]
     try:
         leader = _Call(gw.http, _body(x), 20_000)
         leader.start()
-        wait_until(lambda: _upstream_inflight(gw) == 1, 10, "the leader's upstream call")
+        grpcclient.InferenceServerClient(gw.grpc).async_infer(
+            "lt", [inp], grpc_leader_callback, headers={"x-skewserve-timeout-ms": "20000"}, client_timeout=60
+        )
+        wait_until(lambda: _upstream_inflight(gw) == 2, 10, "both leaders' upstream calls")
         followers = [_Call(gw.http, _body(x), 500, other=leader.done) for _ in range(4)]
-        for f in followers:
-            f.start()
+        grpc_outcomes: list[dict[str, Any]] = [{}, {}]
+        grpc_threads = [threading.Thread(target=grpc_follower, args=(o,), daemon=True) for o in grpc_outcomes]
+        for t in [*followers, *grpc_threads]:
+            t.start()
         for f in followers:
             assert f.done.wait(15), "a follower waited past its own deadline"
+        for t in grpc_threads:
+            t.join(15)
+            assert not t.is_alive(), "a gRPC follower waited past its own deadline"
         assert [f.status for f in followers] == [504] * 4
         assert all(f.other_done_first is False for f in followers), "followers must end before the leader"
         assert "waiting for an identical in-flight request" in followers[0].result["error"]
-        assert _coalesced(gw) == 4
+        assert [o["status"] for o in grpc_outcomes] == ["StatusCode.DEADLINE_EXCEEDED"] * 2, grpc_outcomes
+        assert all(o["leader_done_first"] is False for o in grpc_outcomes)
+        assert "waiting for an identical in-flight request" in grpc_outcomes[0]["message"]
+        assert _coalesced(gw) == 6
     finally:
         os.kill(triton.pid, signal.SIGCONT)  # type: ignore[arg-type]
-    assert leader.done.wait(30)
+    assert leader.done.wait(30) and grpc_leader_done.wait(30)
     assert leader.status == 200 and _outputs(leader.result) == expected
+    assert grpc_leader["error"] is None
+    np.testing.assert_array_equal(
+        grpc_leader["result"].as_numpy("probabilities"),
+        np.array(dict(expected)["probabilities"], dtype=np.float32).reshape(1, -1),
+    )
 
 
 def test_a_follower_never_inherits_the_leaders_own_deadline(solo, make_gateway) -> None:
