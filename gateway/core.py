@@ -155,7 +155,7 @@ class Gateway:
     def model_label(self, model: str) -> str:
         """`model` as a metric label: itself when a server's repository index has it and this request
         was admitted to it; otherwise OTHER_MODEL, so invented names cannot grow /metrics."""
-        if _ADMITTED.get() == model and self.router.knows_model(model):
+        if _ADMITTED.get() == model and any(model in s.known_models for s in self.servers):
             return model
         return OTHER_MODEL
 

@@ -162,9 +162,8 @@ class GrpcFront:
             req = pb.ModelInferRequest.FromString(request)
             model, version = req.model_name, req.model_version
             request_id = request_id or req.id or os.urandom(8).hex()
-            await gw.admit(
-                model, md.get("authorization"), md.get("x-api-key"), client_address(context.peer())
-            )
+            client = client_address(context.peer()) if gw.limiter.client_rate else ""
+            await gw.admit(model, md.get("authorization"), md.get("x-api-key"), client)
             if self.max_batch:
                 for inp in req.inputs:
                     if inp.shape and inp.shape[0] > self.max_batch:
