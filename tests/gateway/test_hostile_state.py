@@ -413,8 +413,8 @@ def test_redis_paused_killed_and_restarted_never_fails_a_request(solo, make_gate
     assert _metric(gw.metrics(), "skewserve_gateway_redis_breaker_opened_total") == 2
     x1 = _row(2)
     assert ok_request(x1) == "miss"
-    wait_until(lambda: len(own_redis.client().keys("faults:*")) == 1, 10, "the background write")
-    assert ok_request(x1) == "hit"
+    # Other misses' writes may land too (the breaker closed mid-loop): wait for this entry, read back.
+    wait_until(lambda: ok_request(x1) == "hit", 10, "x1's background write to be served")
     log = Path(gw.log_path).read_text()
     redis_lines = [line for line in log.splitlines() if "redis" in line.lower()]
     assert len(redis_lines) <= 12, f"{len(redis_lines)} log lines about redis: a log storm"
