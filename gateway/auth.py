@@ -79,12 +79,17 @@ class Authenticator:
         return found
 
     @staticmethod
+    def check_model(principal: Principal | None, model: str) -> None:
+        """403 when an authenticated caller may not use `model` (rate limits are `limits.py`'s)."""
+        if principal is not None and not principal.allows(model):
+            raise PermissionDenied(f"API key {principal.name!r} may not use model {model!r}")
+
+    @staticmethod
     def admit(principal: Principal | None, model: str) -> None:
-        """Check the model list and rate limit of an authenticated caller."""
+        """Check the model list and this process's rate bucket of an authenticated caller."""
         if principal is None:
             return
-        if not principal.allows(model):
-            raise PermissionDenied(f"API key {principal.name!r} may not use model {model!r}")
+        Authenticator.check_model(principal, model)
         if principal.bucket is not None:
             wait = principal.bucket.take()
             if wait > 0:

@@ -1,10 +1,11 @@
-"""Response cache: cryptographic keys, an in-process LRU, a shared Redis backend, and coalescing.
+"""Response cache: cryptographic keys, an in-process LRU and a shared Redis backend.
 
 Key: SHA-256 over the front protocol, model, resolved version, and the request's inputs (name,
 datatype, shape, bytes), requested outputs and parameters, with the per-request `id` left out.
 Only successful responses are stored, and only when Triton says it answered with the version the
 key was resolved to, so a new version is never served a stale entry. Redis entries are namespaced
-and carry an HMAC-SHA256 tag; a tampered entry is dropped, counted, and treated as a miss.
+and carry an HMAC-SHA256 tag over namespace, key and payload; a tampered or moved entry is dropped,
+counted, and treated as a miss. Coalescing of identical in-flight requests is in `coalesce.py`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,17 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
+from gateway.coalesce import Coalescer
+from gateway.redis_link import RedisLink, RedisUnavailable
+
+__all__ = ["Coalescer", "MemoryCache", "RedisCache", "ResponseCache", "cache_key", "cache_key_async"]
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-KEY_VERSION = b"v1"
+# v2: entries' HMAC covers namespace and key. Bumped so replicas of both formats, side by side
+# during a rolling upgrade, never read each other's entries (which would count as tampering).
+KEY_VERSION = b"v2"
+TAG_DOMAIN = b"skewserve-cache-entry-v2\0"
 
 
 def cache_key(
@@ -131,40 +140,51 @@ class MemoryCache:
 
 
 class RedisCache:
-    """Shared across gateway replicas; `<namespace>:<key>` -> 32-byte HMAC tag + payload, with a TTL."""
+    """Shared across gateway replicas; `<namespace>:<key>` -> 32-byte HMAC tag + payload, with a TTL.
+
+    Reads fail open (a miss) when Redis fails or its breaker is open. Writes never hold a request:
+    they go to a bounded queue drained by one owned background task, and are dropped (counted)
+    when the queue is full or Redis is unavailable.
+    """
 
     def __init__(
         self,
-        url: str,
+        link: RedisLink,
         namespace: str,
         secret: str,
         ttl_s: float,
-        timeout_s: float = 0.25,
+        queue_size: int = 1024,
         on_tamper: Callable[[], None] | None = None,
+        on_drop: Callable[[], None] | None = None,
     ) -> None:
-        import redis.asyncio as redis
-
+        self.link = link
         self.on_tamper = on_tamper
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.on_drop = on_drop
         self.namespace = namespace
         self.secret = secret.encode()
         self.ttl_ms = int(ttl_s * 1000)
         self.stats = CacheStats()
+        self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(queue_size)
+        self._writer: asyncio.Task[None] | None = None
 
     def _key(self, key: str) -> str:
         return f"{self.namespace}:{key}"
 
     def _tag(self, key: str, value: bytes) -> bytes:
-        return hmac.new(self.secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+        """HMAC over the namespace and key as well as the payload: an entry copied to another key or
+        namespace fails the check. Each part is length-prefixed so parts cannot run into each other."""
+        mac = hmac.new(self.secret, TAG_DOMAIN, hashlib.sha256)
+        for part in (self.namespace.encode(), key.encode()):
+            mac.update(len(part).to_bytes(4, "big"))
+            mac.update(part)
+        mac.update(value)
+        return mac.digest()
 
     async def get(self, key: str) -> bytes | None:
-        import redis
-
         try:
-            raw = await self.client.get(self._key(key))
-        except (redis.RedisError, OSError) as exc:
+            raw = await self.link.call("get", lambda c: c.get(self._key(key)))
+        except RedisUnavailable:
             self.stats.errors += 1
-            logger.warning("redis cache get failed (%s); serving from Triton", exc)
             return None
         if raw is None:
             return None
@@ -177,54 +197,58 @@ class RedisCache:
                 self.on_tamper()
             logger.error("redis cache entry %s failed its integrity check; dropped", self._key(key))
             try:
-                await self.client.delete(self._key(key))
-            except (redis.RedisError, OSError):
+                await self.link.call("delete", lambda c: c.delete(self._key(key)))
+            except RedisUnavailable:
                 pass
             return None
         return value
 
     async def set(self, key: str, value: bytes) -> None:
-        import redis
-
+        """Queue the write for the background writer; never waits for Redis."""
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_loop())
         try:
-            await self.client.set(self._key(key), self._tag(key, value) + value, px=self.ttl_ms)
-        except (redis.RedisError, OSError) as exc:
-            self.stats.errors += 1
-            logger.warning("redis cache set failed: %s", exc)
+            self._queue.put_nowait((key, value))
+        except asyncio.QueueFull:
+            self._dropped()
+
+    def _dropped(self) -> None:
+        self.stats.errors += 1
+        if self.on_drop:
+            self.on_drop()
+
+    async def _write_loop(self) -> None:
+        while True:
+            key, value = await self._queue.get()
+            entry = self._tag(key, value) + value
+            try:
+                await self.link.call("set", self._setter(self._key(key), entry))
+            except RedisUnavailable:
+                self._dropped()
+
+    def _setter(self, key: str, entry: bytes) -> Callable[[Any], Awaitable[Any]]:
+        async def write(client: Any) -> Any:
+            return await client.set(key, entry, px=self.ttl_ms)
+
+        return write
+
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) until queued writes are written or dropped; for tests and shutdown."""
+        deadline = time.monotonic() + timeout_s
+        while not self._queue.empty() and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
+    def queued(self) -> int:
+        return self._queue.qsize()
 
     def size_bytes(self) -> int:
         return 0  # Redis reports its own memory; not tracked per gateway
 
     async def close(self) -> None:
-        await self.client.aclose()
-
-
-class Coalescer:
-    """Identical concurrent requests share one upstream call (single-flight)."""
-
-    def __init__(self) -> None:
-        self._inflight: dict[str, asyncio.Future[Any]] = {}
-        self.coalesced = 0
-
-    async def run(self, key: str, fn: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
-        """Return (result, shared): shared is True when another caller's call produced it."""
-        fut = self._inflight.get(key)
-        if fut is not None:
-            self.coalesced += 1
-            return await asyncio.shield(fut), True
-        fut = asyncio.get_running_loop().create_future()
-        self._inflight[key] = fut
-        try:
-            result = await fn()
-        except asyncio.CancelledError:
-            fut.cancel()
-            raise
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # mark retrieved: waiters re-raise it, nobody may be waiting
-            raise
-        else:
-            fut.set_result(result)
-            return result, False
-        finally:
-            del self._inflight[key]
+        if self._writer is not None:
+            self._writer.cancel()
+            try:
+                await asyncio.wait_for(self._writer, 1.0)
+            except (asyncio.CancelledError, asyncio.TimeoutError):
+                pass
+        await self.link.close()

@@ -7,6 +7,7 @@ nested fields, e.g. `SKEWSERVE_GATEWAY_CACHE__TTL_S=5` or `SKEWSERVE_GATEWAY_HOM
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -142,6 +143,42 @@ class HedgingConfig(_Strict):
     min_delay_ms: float = Field(default=2.0, ge=0)
 
 
+# Values that are placeholders, not secrets: the example configs' and the usual "fill me in" words.
+_PLACEHOLDER_MARKERS = (
+    "change-me",
+    "changeme",
+    "change_me",
+    "replace-me",
+    "replaceme",
+    "placeholder",
+    "set-by-env",
+    "your-secret",
+    "example",
+)
+_SECRET_HELP = (
+    "generate one with `python -c 'import secrets; print(secrets.token_hex(32))'` and pass it as "
+    "SKEWSERVE_GATEWAY_CACHE__HMAC_SECRET"
+)
+
+
+def secret_weakness(secret: str) -> str | None:
+    """Why `secret` cannot key the cache's HMAC (None when it can): short, a placeholder, or low entropy."""
+    if len(secret) < 16:
+        return "must be set (16+ characters)"
+    lowered = secret.lower()
+    marker = next((m for m in _PLACEHOLDER_MARKERS if m in lowered), None)
+    if marker is not None:
+        return f"is a placeholder (contains {marker!r}), not a secret"
+    counts = [secret.count(c) for c in set(secret)]
+    # Shannon estimate of the characters' entropy times the length: what a guesser faces at best.
+    bits = max(0.0, -sum(n * math.log2(n / len(secret)) for n in counts))
+    if len(counts) < 8 or bits < 64:
+        return (
+            f"has too little entropy ({len(counts)} distinct characters, about {bits:.0f} bits; 64+ needed)"
+        )
+    return None
+
+
 class CacheConfig(_Strict):
     backend: Literal["none", "memory", "redis"] = "memory"
     models: list[str] = Field(default_factory=list, description="deterministic models opted in ('*' for all)")
@@ -153,13 +190,37 @@ class CacheConfig(_Strict):
         default="", description="integrity key for Redis entries; required with backend redis"
     )
     max_entry_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
+    redis_timeout_s: float = Field(
+        default=0.25,
+        gt=0,
+        description="bound on one Redis call (cache and shared limits); a miss past it goes to Triton",
+    )
+    breaker_failures: int = Field(
+        default=5, ge=1, description="consecutive Redis failures or timeouts that open the circuit breaker"
+    )
+    breaker_cooldown_s: float = Field(
+        default=5.0, gt=0, description="how long the breaker stays open before one background probe (PING)"
+    )
+    write_queue: int = Field(
+        default=1024,
+        ge=1,
+        description="Redis writes waiting for the background writer; beyond it writes are dropped",
+    )
+    max_coalescing: int = Field(
+        default=10_000,
+        ge=1,
+        description="distinct in-flight keys that coalescing tracks; beyond it requests run alone",
+    )
 
     @model_validator(mode="after")
     def _redis_secret(self) -> CacheConfig:
-        if self.backend == "redis" and len(self.hmac_secret) < 16:
-            raise ValueError(
-                "cache.hmac_secret must be set (16+ characters) when cache.backend is redis; entries are integrity-checked with it"
-            )
+        if self.backend == "redis":
+            weakness = secret_weakness(self.hmac_secret)
+            if weakness is not None:
+                raise ValueError(
+                    f"cache.hmac_secret {weakness} when cache.backend is redis (entries are integrity-checked "
+                    f"with it); {_SECRET_HELP}"
+                )
         return self
 
 
@@ -211,6 +272,20 @@ class LimitsConfig(_Strict):
     )
     max_inflight: int = Field(
         default=1024, ge=1, description="global in-flight bound; above it requests are shed with 503"
+    )
+    shared: Literal["auto", "local"] = Field(
+        default="auto",
+        description="auto: rate limits live in Redis (shared by all replicas) when cache.backend is redis, "
+        "falling back to per-process buckets while Redis is down; local: per-process buckets only",
+    )
+    per_client_rate_per_s: float = Field(
+        default=0.0, ge=0, description="with auth off: token-bucket refill per client address; 0 = off"
+    )
+    per_client_burst: float = Field(default=0.0, ge=0, description="per-client bucket size; 0 = the rate")
+    max_tracked_clients: int = Field(
+        default=10_000,
+        ge=1,
+        description="client-address buckets kept in memory (least recently used dropped)",
     )
 
 

@@ -7,6 +7,7 @@ decides where a request goes or whether it is served lives here once.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -14,18 +15,24 @@ from typing import Any, TypeVar
 
 from gateway.auth import Authenticator, Principal
 from gateway.balancer import make_balancer
-from gateway.cache import Coalescer, MemoryCache, RedisCache, ResponseCache
+from gateway.cache import MemoryCache, RedisCache, ResponseCache
+from gateway.coalesce import Coalescer
 from gateway.config import GatewayConfig
 from gateway.discovery import Discovery
 from gateway.dispatch import Attempt, Dispatcher, Outcome
 from gateway.errors import NoReadyServer, Overloaded
 from gateway.health import HealthChecker, OutlierDetector
-from gateway.metrics import GatewayMetrics
+from gateway.limits import RateLimiter
+from gateway.metrics import OTHER_MODEL, GatewayMetrics
+from gateway.redis_link import RedisLink
 from gateway.router import Region, RegionRouter
 from gateway.upstream import UpstreamServer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# The model this request was admitted to (set by `Gateway.admit` in the request's own task), so
+# metric labels name only models the caller may use.
+_ADMITTED: contextvars.ContextVar[str | None] = contextvars.ContextVar("skewserve_admitted", default=None)
 
 
 class Gateway:
@@ -55,22 +62,36 @@ class Gateway:
         self.dispatcher = Dispatcher(cfg, self.router, self.detector, self.metrics, clock)
         self.auth = Authenticator(cfg.auth, clock)
         self.discovery = Discovery(self)  # regions with `discover`: servers from DNS
+        self.metrics.model_label = self.model_label
+        self.redis: RedisLink | None = None
+        if cfg.cache.backend == "redis":
+            self.redis = RedisLink(
+                cfg.cache.redis_url,
+                cfg.cache.redis_timeout_s,
+                cfg.cache.breaker_failures,
+                cfg.cache.breaker_cooldown_s,
+                clock,
+                on_open=self.metrics.redis_breaker_opened.inc,
+            )
+        self.limiter = RateLimiter(cfg, self.redis, self.metrics, clock)
         self.cache: ResponseCache | None = None
         if cfg.cache.backend == "memory":
             self.cache = MemoryCache(
                 cfg.cache.max_bytes, cfg.cache.ttl_s, clock, on_evict=self.metrics.cache_evictions.inc
             )
-        elif cfg.cache.backend == "redis":
+        elif self.redis is not None:
             self.cache = RedisCache(
-                cfg.cache.redis_url,
+                self.redis,
                 cfg.cache.namespace,
                 cfg.cache.hmac_secret,
                 cfg.cache.ttl_s,
+                cfg.cache.write_queue,
                 on_tamper=self.metrics.cache_tampered.inc,
+                on_drop=self.metrics.redis_writes_dropped.inc,
             )
         self._cache_all = "*" in cfg.cache.models
         self._cache_models = set(cfg.cache.models)
-        self.coalescer = Coalescer()
+        self.coalescer = Coalescer(cfg.cache.max_coalescing, clock)
         self.inflight = 0
         self.draining = False  # reports not-ready; still serves
         self.refusing = False  # past the drain grace: new requests get 503
@@ -88,7 +109,9 @@ class Gateway:
         for s in self.servers:
             await s.close()
         if self.cache is not None:
-            await self.cache.close()
+            await self.cache.close()  # a RedisCache closes its link (writer and probe tasks)
+        elif self.redis is not None:
+            await self.redis.close()
 
     def ready(self) -> bool:
         now = self.clock()
@@ -112,7 +135,11 @@ class Gateway:
         stop_serving()
 
     # -- admission -------------------------------------------------------------------------------
-    def admit(self, model: str, authorization: str | None, api_key: str | None) -> Principal | None:
+    async def admit(
+        self, model: str, authorization: str | None, api_key: str | None, client: str = ""
+    ) -> Principal | None:
+        """Drain and in-flight bounds, authentication, the model list, then the rate limits
+        (per key, or per client address with auth off; in Redis when shared)."""
         if self.refusing:
             self.metrics.shed.labels("draining").inc()
             raise Overloaded("gateway is shutting down; retry on another replica")
@@ -123,8 +150,18 @@ class Gateway:
                 f"gateway is at its in-flight limit ({self.cfg.limits.max_inflight}); retry later"
             )
         principal = self.auth.authenticate(authorization, api_key)
-        self.auth.admit(principal, model)
+        self.auth.check_model(principal, model)
+        _ADMITTED.set(model)
+        if principal is not None or self.limiter.client_rate > 0:
+            await self.limiter.check(principal, client)
         return principal
+
+    def model_label(self, model: str) -> str:
+        """`model` as a metric label: itself when a server's repository index has it and this request
+        was admitted to it; otherwise OTHER_MODEL, so invented names cannot grow /metrics."""
+        if _ADMITTED.get() == model and any(model in s.known_models for s in self.servers):
+            return model
+        return OTHER_MODEL
 
     def deadline(self, timeout_ms: str | None, timeout_us: object = None) -> float:
         """The request's deadline: the tightest of the default, the header, and the KServe/Triton
@@ -183,10 +220,12 @@ class Gateway:
         model: str,
         fetch: Callable[[], Awaitable[tuple[T, bytes | None]]],
         decode: Callable[[bytes], T],
+        deadline: float | None = None,
     ) -> tuple[T, str]:
         """Serve from cache or fetch once for all identical in-flight requests; errors are never stored.
 
         `fetch` returns (value, bytes to store or None when the value must not be cached).
+        `deadline` is this request's own: waiting behind another identical request ends there.
         """
         assert self.cache is not None
         stored = self.cache.get_now(key) if isinstance(self.cache, MemoryCache) else await self.cache.get(key)
@@ -204,9 +243,10 @@ class Gateway:
                 self.metrics.cache_stored(model, len(to_store))
             return value
 
-        value, shared = await self.coalescer.run(key, fetch_and_store)
-        if shared:
-            self.metrics.coalesced.labels(model).inc()
+        def followed() -> None:  # counted when a follower joins, whatever its own outcome
+            self.metrics.coalesced_request(model)
+
+        value, shared = await self.coalescer.run(key, fetch_and_store, deadline, followed)
         return value, "coalesced" if shared else "miss"
 
     # -- introspection ---------------------------------------------------------------------------
@@ -222,5 +262,12 @@ class Gateway:
             "skew_index": {r.name: round(r.skew_index(), 3) for r in self.router.regions.values()},
             "cache_bytes": self.cache.size_bytes() if self.cache is not None else 0,
             "cache": None if self.cache is None else vars(self.cache.stats),
+            "redis": None
+            if self.redis is None
+            else {
+                **self.redis.describe(),
+                "write_queue": self.cache.queued() if isinstance(self.cache, RedisCache) else 0,
+            },
+            "coalescing": len(self.coalescer),
             "servers": [s.describe(now) for s in self.servers],
         }

@@ -20,6 +20,7 @@ from tritonclient.grpc import service_pb2 as pb
 from gateway.cache import cache_key_async
 from gateway.core import Gateway
 from gateway.errors import BadRequest, GatewayError, grpc_code_for
+from gateway.limits import client_address
 from gateway.listen import check_free, refused
 from gateway.request_id import checked_request_id, is_valid_request_id, new_request_id
 from gateway.statistics import (
@@ -238,7 +239,8 @@ class GrpcFront:
             # The protobuf `id` is Triton's to echo whatever it holds; it names the request in logs
             # and upstream metadata only when it is a valid metadata value.
             request_id = request_id or (req.id if is_valid_request_id(req.id) else new_request_id())
-            gw.admit(model, md.get("authorization"), md.get("x-api-key"))
+            client = client_address(context.peer()) if gw.limiter.client_rate else ""
+            await gw.admit(model, md.get("authorization"), md.get("x-api-key"), client)
             if self.max_batch:
                 for inp in req.inputs:
                     if inp.shape and inp.shape[0] > self.max_batch:
@@ -303,7 +305,7 @@ class GrpcFront:
             answered = pb.ModelInferResponse.FromString(raw).model_version
             return raw, (raw if resolved and answered == resolved else None)
 
-        raw, state = await gw.cached(key, model, fetch, lambda b: b)
+        raw, state = await gw.cached(key, model, fetch, lambda b: b, deadline)
         if state != "miss":
             raw = _restamp(raw, request_id)
         return raw, (route_box[0] if route_box else None), state

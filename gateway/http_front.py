@@ -171,7 +171,7 @@ class HttpFront:
         route_region = route_server = ""
         gw.inflight += 1
         try:
-            gw.admit(model, authorization, api_key)
+            await gw.admit(model, authorization, api_key, (scope.get("client") or ("",))[0])
             if content_length is not None and int(content_length) > self.max_bytes:
                 raise RequestTooLarge(
                     f"request body of {int(content_length)} bytes exceeds the limit of {self.max_bytes}"
@@ -268,7 +268,7 @@ class HttpFront:
             # Triton moved to a newer version than the health view knew: do not file it under the old one.
             return resp, (_encode_entry(resp) if answered == resolved else None)
 
-        resp, state = await gw.cached(key, model, fetch, _decode_entry)
+        resp, state = await gw.cached(key, model, fetch, _decode_entry, deadline)
         if state != "miss" and resp.status == 200:
             resp = restamp_id(resp, request_id)
         return resp, (route_box[0] if route_box else None), state

@@ -3,6 +3,10 @@
 Hot-path counters use pre-bound label children cached in dicts (a `.labels()` lookup per request
 costs more than the increment). Gauges that describe the fleet (in-flight per server, skew index
 per region, cache bytes) are computed when Prometheus scrapes, not on every request.
+
+Label values are bounded whatever clients send: a `model` label is the model's name only when some
+server's repository index reports it and the caller was admitted to it (see `Gateway.model_label`);
+every other name folds into `OTHER_MODEL`, so invented names cannot grow /metrics or the child cache.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+OTHER_MODEL = "__other__"
 LATENCY_BUCKETS = (
     0.0002,
     0.0005,
@@ -72,6 +77,18 @@ class _FleetCollector(Collector):
         )
         cache_bytes.add_metric([], state["cache_bytes"])
         yield from (inflight, available, ewma, skew, total, cache_bytes)
+        redis_state = state.get("redis")
+        if redis_state is not None:
+            breaker = GaugeMetricFamily(
+                "skewserve_gateway_redis_breaker_open",
+                "1 while the Redis circuit breaker is open (cache and shared limits fail open to Triton / local buckets)",
+            )
+            breaker.add_metric([], 0.0 if redis_state["breaker"] == "closed" else 1.0)
+            queue = GaugeMetricFamily(
+                "skewserve_gateway_redis_write_queue", "Cache writes waiting for the background Redis writer"
+            )
+            queue.add_metric([], redis_state["write_queue"])
+            yield from (breaker, queue)
 
 
 class GatewayMetrics:
@@ -139,6 +156,24 @@ class GatewayMetrics:
         self.shed = Counter(
             "skewserve_gateway_shed_total", "Requests refused by admission", ["reason"], registry=r
         )
+        self.redis_breaker_opened = Counter(
+            "skewserve_gateway_redis_breaker_opened_total",
+            "Times the Redis circuit breaker opened",
+            registry=r,
+        )
+        self.redis_writes_dropped = Counter(
+            "skewserve_gateway_redis_writes_dropped_total",
+            "Cache writes dropped because the background writer's queue was full or Redis was down",
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "skewserve_gateway_rate_limited_total",
+            "Requests refused by a rate limit, by where the bucket lived",
+            ["scope", "store"],
+            registry=r,
+        )
+        # Folds client-chosen model names into a bounded set; the gateway installs the real rule.
+        self.model_label: Callable[[str], str] = lambda model: model
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
@@ -151,6 +186,7 @@ class GatewayMetrics:
     def request(
         self, model: str, region: str, server: str, protocol: str, status: str, seconds: float
     ) -> None:
+        model = self.model_label(model)
         self._child(self._requests, model, region, server, protocol, status).inc()
         self._child(self._latency, model, protocol).observe(seconds)
 
@@ -158,16 +194,22 @@ class GatewayMetrics:
         self._child(self._upstream, server.region, server.name).observe(seconds)
 
     def cache(self, model: str, hit: bool) -> None:
-        self._child(self._cache, model, "hit" if hit else "miss").inc()
+        self._child(self._cache, self.model_label(model), "hit" if hit else "miss").inc()
 
     def cache_stored(self, model: str, n: int) -> None:
-        self._child(self._cache_bytes, model).inc(n)
+        self._child(self._cache_bytes, self.model_label(model)).inc(n)
+
+    def coalesced_request(self, model: str) -> None:
+        self._child(self.coalesced, self.model_label(model)).inc()
 
     def retry(self, model: str) -> None:
-        self._child(self._retries, model).inc()
+        self._child(self._retries, self.model_label(model)).inc()
 
     def hedge(self, model: str) -> None:
-        self._child(self._hedges, model).inc()
+        self._child(self._hedges, self.model_label(model)).inc()
+
+    def limited(self, scope: str, store: str) -> None:
+        self._child(self.rate_limited, scope, store).inc()
 
     def retry_budget_exhausted(self) -> None:
         self.budget_exhausted.inc()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import shutil
 import subprocess
 from pathlib import Path
@@ -75,7 +76,7 @@ def test_dashboard_is_valid_grafana_json() -> None:
 def test_example_configs_are_valid_and_hold_no_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match=r"cache\.hmac_secret must be set"):
         load_gateway_config(DEPLOY / "gateway.example.yaml")  # no secret that passes validation
-    monkeypatch.setenv("SKEWSERVE_GATEWAY_CACHE__HMAC_SECRET", "s" * 32)
+    monkeypatch.setenv("SKEWSERVE_GATEWAY_CACHE__HMAC_SECRET", secrets.token_hex(32))
     assert load_gateway_config(DEPLOY / "gateway.example.yaml").auth.keys == []
     cfg = load_stack_config(DEPLOY / "stack.local.yaml")
     assert cfg.regions == {"us-east": 2, "eu-west": 1}

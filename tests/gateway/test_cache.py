@@ -202,10 +202,11 @@ def test_redis_is_shared_by_two_gateways_and_tampering_is_rejected(
     x = _row(400)
     state, body = _cache_header(gw1.http, x)
     assert state == "miss"
+    client = redis.Redis.from_url(redis_url)
+    wait_until(lambda: len(client.keys("t1:*")) == 1, 10, "the background write to redis")
     state2, body2 = _cache_header(gw2.http, x)
     assert state2 == "hit" and body2["outputs"] == body["outputs"]
 
-    client = redis.Redis.from_url(redis_url)
     keys = client.keys("t1:*")
     assert len(keys) == 1
     raw = bytearray(client.get(keys[0]))
@@ -214,6 +215,7 @@ def test_redis_is_shared_by_two_gateways_and_tampering_is_rejected(
     state3, body3 = _cache_header(gw2.http, x)
     assert state3 == "miss" and body3["outputs"] == body["outputs"]
     assert "skewserve_gateway_cache_integrity_failures_total 1.0" in gw2.metrics()
+    wait_until(lambda: client.get(keys[0]) not in (None, bytes(raw)), 10, "the entry to be re-stored")
     assert _cache_header(gw1.http, x)[0] == "hit"  # re-stored intact after the miss
 
 

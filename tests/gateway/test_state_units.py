@@ -1,0 +1,279 @@
+"""Units of the gateway's state under hostile input and faults: breaker, throttled log, coalescer,
+rate limiter bounds, secret checks, and the config fields that reach each of them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import Any
+
+import pytest
+
+from gateway.coalesce import Coalescer
+from gateway.config import GatewayConfig, secret_weakness
+from gateway.errors import UpstreamRejected, UpstreamTimeout
+from gateway.limits import RateLimiter, client_address
+from gateway.metrics import OTHER_MODEL, GatewayMetrics
+from gateway.redis_link import CircuitBreaker, ThrottledLog
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _cfg(**overrides: Any) -> GatewayConfig:
+    data: dict[str, Any] = {
+        "home_region": "a",
+        "regions": [{"name": "a", "servers": [{"name": "s", "http": "127.0.0.1:1", "grpc": "127.0.0.1:2"}]}],
+    }
+    data.update(overrides)
+    return GatewayConfig(**data)
+
+
+def test_breaker_opens_after_n_failures_and_probes_once_per_cooldown() -> None:
+    clock = FakeClock()
+    b = CircuitBreaker(3, 5.0, clock)
+    assert not b.failure() and not b.failure() and b.allows()
+    assert b.success() is False and b.consecutive == 0  # a success resets the count
+    assert [b.failure() for _ in range(3)] == [False, False, True]
+    assert b.state == "open" and not b.allows() and b.opened == 1
+    clock.now += 4.9
+    assert not b.probe_due()
+    clock.now += 0.1
+    assert b.probe_due() and b.state == "half_open" and not b.probe_due()  # one probe at a time
+    assert not b.failure() and b.state == "open" and b.opened == 1  # a failed probe: another cool-down
+    clock.now += 4.0
+    assert not b.probe_due()
+    clock.now += 1.0
+    assert b.probe_due() and b.success() and b.allows()
+
+
+def test_throttled_log_says_how_many_it_suppressed(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    log = ThrottledLog(logging.getLogger("t.throttle"), 10.0, clock)
+    with caplog.at_level(logging.WARNING, "t.throttle"):
+        assert log.warning("get", "redis get failed (%s)", "x")
+        assert not any(log.warning("get", "redis get failed (%s)", "x") for _ in range(99))
+        assert log.warning("set", "redis set failed")  # other kinds have their own interval
+        clock.now += 10.0
+        assert log.warning("get", "redis get failed (%s)", "y")
+    assert [r.getMessage() for r in caplog.records] == [
+        "redis get failed (x)",
+        "redis set failed",
+        "redis get failed (y) (99 similar message(s) suppressed in the last 10s)",
+    ]
+
+
+def test_a_follower_ends_at_its_own_deadline_and_the_leader_is_unaffected() -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        c = Coalescer(clock=loop.time)
+        release = asyncio.Event()
+        followed: list[int] = []
+
+        async def slow() -> int:
+            await release.wait()
+            return 7
+
+        leader = asyncio.ensure_future(c.run("k", slow))
+        await asyncio.sleep(0)
+        with pytest.raises(UpstreamTimeout, match="waiting for an identical in-flight request"):
+            await c.run("k", slow, loop.time() + 0.05, lambda: followed.append(1))
+        assert not leader.done() and followed == [1]
+        release.set()
+        assert await leader == (7, False)
+
+    asyncio.run(run())
+
+
+def test_followers_retry_when_the_leader_is_cancelled_or_times_out() -> None:
+    async def run() -> None:
+        c = Coalescer()
+        calls = 0
+        gate = asyncio.Event()
+
+        async def work() -> int:
+            nonlocal calls
+            calls += 1
+            await gate.wait()
+            return calls
+
+        leader = asyncio.ensure_future(c.run("k", work))
+        await asyncio.sleep(0)
+        follower = asyncio.ensure_future(c.run("k", work))
+        await asyncio.sleep(0)
+        leader.cancel()
+        await asyncio.sleep(0)
+        assert not follower.done()  # it now leads: the cancellation stayed the leader's
+        gate.set()
+        assert await follower == (2, False)
+
+        async def own_deadline() -> int:
+            raise UpstreamTimeout("deadline exceeded after 1 attempt(s)")
+
+        gate2 = asyncio.Event()
+
+        async def first() -> int:
+            await gate2.wait()
+            return await own_deadline()
+
+        async def second() -> int:
+            return 99
+
+        lead = asyncio.ensure_future(c.run("t", first))
+        await asyncio.sleep(0)
+        follow = asyncio.ensure_future(c.run("t", second))
+        await asyncio.sleep(0)
+        gate2.set()
+        with pytest.raises(UpstreamTimeout):
+            await lead
+        assert await follow == (99, False)
+
+        async def rejected() -> int:  # Triton's own answer to the request is the same for an identical one
+            await asyncio.sleep(0.01)
+            raise UpstreamRejected("bad input")
+
+        results = await asyncio.gather(c.run("r", rejected), c.run("r", second), return_exceptions=True)
+        assert all(isinstance(r, UpstreamRejected) for r in results)
+        assert len(c) == 0
+
+    asyncio.run(run())
+
+
+def test_coalescing_table_is_bounded_in_entries() -> None:
+    async def run() -> None:
+        c = Coalescer(max_entries=2)
+        gate = asyncio.Event()
+
+        async def work() -> int:
+            await gate.wait()
+            return 1
+
+        tasks = [asyncio.ensure_future(c.run(f"k{i}", work)) for i in range(5)]
+        await asyncio.sleep(0)
+        assert len(c) == 2 and c.overflow == 3
+        gate.set()
+        assert [await t for t in tasks] == [(1, False)] * 5
+        assert len(c) == 0
+
+    asyncio.run(run())
+
+
+def test_client_buckets_are_bounded_and_the_limit_names_the_client() -> None:
+    clock = FakeClock()
+    cfg = _cfg(limits={"per_client_rate_per_s": 1, "per_client_burst": 2, "max_tracked_clients": 3})
+    limiter = RateLimiter(cfg, None, GatewayMetrics(), clock)
+
+    async def run() -> None:
+        await limiter.check(None, "10.0.0.1")
+        await limiter.check(None, "10.0.0.1")
+        from gateway.errors import RateLimited
+
+        with pytest.raises(RateLimited, match=r"client address '10.0.0.1' exceeded \(1/s\)") as info:
+            await limiter.check(None, "10.0.0.1")
+        assert info.value.headers == {"retry-after": "1"}
+        for i in range(100):
+            await limiter.check(None, f"10.1.0.{i}")
+        assert limiter.tracked_clients() == 3
+
+    asyncio.run(run())
+
+
+def test_per_client_limit_is_off_when_auth_is_on_and_by_default() -> None:
+    from gateway.auth import hash_key
+
+    keys = {"keys": [{"name": "k", "sha256": hash_key("x")}]}
+    on = _cfg(limits={"per_client_rate_per_s": 5}, auth=keys)
+    assert RateLimiter(on, None, GatewayMetrics()).client_rate == 0
+    assert RateLimiter(_cfg(), None, GatewayMetrics()).client_rate == 0
+
+
+@pytest.mark.parametrize(
+    ("peer", "host"),
+    [("ipv4:127.0.0.1:5123", "127.0.0.1"), ("ipv6:[::1]:5123", "::1"), ("127.0.0.1", "127.0.0.1"), ("", "")],
+)
+def test_client_address_of_grpc_peers_and_http_hosts(peer: str, host: str) -> None:
+    assert client_address(peer) == host
+
+
+@pytest.mark.parametrize(
+    ("secret", "why"),
+    [
+        ("short", "must be set"),
+        ("change-me-to-a-long-random-secret", "placeholder"),
+        ("set-by-env-SKEWSERVE_GATEWAY_CACHE__HMAC_SECRET", "placeholder"),
+        ("x" * 64, "too little entropy"),
+        ("abcabcabcabcabcabcab", "too little entropy"),
+        (secrets.token_hex(32), None),
+        (secrets.token_urlsafe(24), None),
+    ],
+)
+def test_secret_weakness(secret: str, why: str | None) -> None:
+    found = secret_weakness(secret)
+    assert (found is None) if why is None else (found is not None and why in found)
+
+
+def test_new_config_fields_reach_the_code_using_them() -> None:
+    from gateway.core import Gateway
+    from gateway.redis_link import RedisLink
+
+    cfg = _cfg(
+        cache={
+            "backend": "redis",
+            "redis_url": "redis://127.0.0.1:1/0",
+            "hmac_secret": secrets.token_hex(32),
+            "redis_timeout_s": 0.07,
+            "breaker_failures": 9,
+            "breaker_cooldown_s": 3.5,
+            "write_queue": 17,
+            "max_coalescing": 33,
+            "namespace": "ns1",
+        },
+        limits={
+            "shared": "auto",
+            "max_tracked_clients": 5,
+            "per_client_rate_per_s": 2,
+            "per_client_burst": 4,
+        },
+    )
+
+    async def build() -> None:
+        gw = Gateway(cfg)
+        link = gw.redis
+        assert isinstance(link, RedisLink)
+        assert link.timeout_s == 0.07 and link.breaker.threshold == 9 and link.breaker.cooldown_s == 3.5
+        assert link.client.connection_pool.connection_kwargs["socket_timeout"] == 0.07
+        assert gw.cache._queue.maxsize == 17  # type: ignore[union-attr]
+        assert gw.coalescer.max_entries == 33
+        assert gw.limiter.link is link and gw.limiter.prefix == "ns1:rl:"
+        assert gw.limiter.max_clients == 5 and gw.limiter.client_rate == 2 and gw.limiter.client_burst == 4
+        await gw.stop()
+        local = Gateway(cfg.model_copy(update={"limits": cfg.limits.model_copy(update={"shared": "local"})}))
+        assert local.limiter.link is None
+        await local.stop()
+
+    asyncio.run(build())
+
+
+def test_model_labels_fold_unknown_and_unadmitted_models() -> None:
+    from gateway.core import Gateway
+
+    async def run() -> None:
+        gw = Gateway(_cfg())
+        gw.servers[0].known_models = {"lt"}  # what the repository index reported
+        assert gw.model_label("lt") == OTHER_MODEL  # not admitted in this context
+        await gw.admit("lt", None, None)
+        assert gw.model_label("lt") == "lt"
+        await gw.admit("invented", None, None)
+        assert gw.model_label("invented") == OTHER_MODEL and gw.model_label("lt") == OTHER_MODEL
+        for i in range(500):
+            gw.metrics.request(f"m{i}", "", "", "http", "404", 0.001)
+        assert len(gw.metrics._children) <= 4
+        await gw.stop()
+
+    asyncio.run(run())
