@@ -4,6 +4,7 @@ schema and interpolation; no Docker engine runs here) and by explicit structure 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,7 +19,7 @@ from gateway.config import ConfigError, load_gateway_config
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 SECRETS = {
-    "SKEWSERVE_CACHE_HMAC_SECRET": "c" * 64,
+    "SKEWSERVE_CACHE_HMAC_SECRET": secrets.token_hex(32),
     "SKEWSERVE_API_KEYS": '[{"name": "team-a", "sha256": "' + "a" * 64 + '"}]',
     "GRAFANA_ADMIN_PASSWORD": "grafana-admin-password",
 }
@@ -139,7 +140,7 @@ def test_every_bind_mount_exists_and_prometheus_config_passes_promtool(
     targets = {
         t for sc in yaml.safe_load(prom)["scrape_configs"] for c in sc["static_configs"] for t in c["targets"]
     }
-    assert targets == {"gateway:8080", "triton:8002"}
+    assert targets == {"gateway:8082", "triton:8002"}  # the gateway's ops listener
 
 
 def test_grafana_is_provisioned_with_the_datasource_and_dashboard(rendered: dict[str, Any]) -> None:

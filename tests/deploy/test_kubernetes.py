@@ -3,6 +3,7 @@ Kubernetes schema with kubernetes-validate, rendered with `kubectl kustomize` wh
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,7 +22,7 @@ K8S = ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.32.0"  # the version the manifests are validated for (README, Deploy)
 REGIONS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
 SECRET_ENV = {
-    "SKEWSERVE_GATEWAY_CACHE__HMAC_SECRET": "h" * 64,
+    "SKEWSERVE_GATEWAY_CACHE__HMAC_SECRET": secrets.token_hex(32),
     "SKEWSERVE_GATEWAY_AUTH__KEYS": '[{"name": "team-a", "sha256": "' + "b" * 64 + '"}]',
 }
 
