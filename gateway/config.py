@@ -140,6 +140,11 @@ class LimitsConfig(_Strict):
     max_inflight: int = Field(
         default=1024, ge=1, description="global in-flight bound; above it requests are shed with 503"
     )
+    body_read_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="bound on receiving one request's body; a slower upload gets 408 (and holds no in-flight slot meanwhile)",
+    )
 
 
 class DrainConfig(_Strict):
