@@ -260,7 +260,9 @@ def test_zip_bomb_is_a_413_and_unknown_encodings_are_refused(one_triton, make_ga
     assert (status, json.loads(raw)["error"]) == (400, "the deflate request body is truncated")
     status, _, raw = _post(g.http, b"{}", headers={"Content-Encoding": "br"})
     assert status == 415
-    assert json.loads(raw)["error"] == "Content-Encoding 'br' is not supported; send gzip, deflate or identity"
+    assert (
+        json.loads(raw)["error"] == "Content-Encoding 'br' is not supported; send gzip, deflate or identity"
+    )
 
 
 # -- 11. slow uploads ---------------------------------------------------------------------------
@@ -273,7 +275,9 @@ def _read_response(sock: socket.socket) -> tuple[int, bytes]:
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     length = next(
-        int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
     )
     while len(body) < length:
         chunk = sock.recv(65536)
