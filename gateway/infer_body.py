@@ -12,8 +12,10 @@ another (cache poisoning). So:
 - The walk is a small recursive descent over the header in which every container element passes
   through Python code, so a large body walked in a worker thread gives the event loop the GIL back
   at the interpreter's switch interval (a single C-level `json.loads` of 9 MB holds it for ~1 s).
-- Tensor `data` arrays are not decoded at all: their exact text is located (one regex scan for
-  numeric arrays) and hashed as is, so the key covers the bytes Triton reads without re-serialising.
+- Small headers (every binary-protocol header, small JSON) are parsed by `json` in C, then keyed
+  and forwarded as one canonical serialisation of the parsed dict: Triton reads what was keyed.
+- In larger ones, tensor `data` arrays are not decoded at all: their exact text is located (one
+  regex scan for numeric arrays), hashed and forwarded as received, never re-serialised.
 
 Validation errors name the field (`inputs[0].shape`), never a 500.
 """
@@ -31,6 +33,9 @@ from gateway.errors import BadRequest, RequestTooLarge, UnsupportedEncoding
 
 # Above this many bytes, inflating and walking happen in a worker thread (asyncio.to_thread).
 OFF_LOOP_BYTES = 256 * 1024
+# Headers up to this size (every binary-protocol header, small JSON) are parsed by `json` in C and
+# forwarded re-serialised from the parsed dict, so Triton reads exactly what was keyed.
+CANONICAL_BYTES = 16 * 1024
 # Deeper structure than any KServe request has; RapidJSON in Triton recurses per level.
 MAX_DEPTH = 32
 
@@ -39,6 +44,8 @@ _WS = re.compile(r"[ \t\n\r]*")
 _PLAIN_ARRAY = re.compile(r"\[[-+.,0-9 \t\n\reEtrufalsn\[\]]*")
 # Tokens that matter for bracket depth once strings appear: a whole string, or a bracket.
 _ARRAY_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]]', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]]+")
+_NOT_OPENER = re.compile(r"[^\[\]{}]+")
 _scanstring: Any = json.decoder.scanstring  # type: ignore[attr-defined]  # C scanner, untyped
 
 
@@ -114,6 +121,17 @@ def _kind(value: Any) -> str:
 
 # What an object or array is to the gateway; the rest is walked generically.
 _TOP, _INPUTS, _INPUT, _PARAMS, _OTHER = range(5)
+
+
+def _brackets_deeper_than(text: str, limit: int) -> bool:
+    """Whether balanced brackets in `text` (no strings in it) nest deeper than `limit`, in C-level
+    passes: each pass removes the innermost pairs, so `limit` passes empty any shallower text."""
+    brackets = _NOT_BRACKET.sub("", text)
+    for _ in range(limit):
+        if not brackets:
+            return False
+        brackets = brackets.replace("[]", "")
+    return bool(brackets)
 
 
 class _Walker:
@@ -242,7 +260,10 @@ class _Walker:
         end = s.rfind("]", i, m.end()) + 1
         # In valid JSON a run of plain characters cannot reach past the array's own closing bracket
         # (a key's quote or a '}' follows it), so a balanced run ends exactly at that bracket.
-        if end > i and s.count("[", i, end) == s.count("]", i, end):
+        opened = s.count("[", i, end)
+        if end > i and opened == s.count("]", i, end):
+            if opened > 1 and _brackets_deeper_than(s[i:end], MAX_DEPTH):
+                raise BadRequest(f"{_where(path)} nests deeper than {MAX_DEPTH} levels")
             raw = RawData(i, end)
         else:
             raw = RawData(i, self._skip_with_strings(i, path))
@@ -303,6 +324,8 @@ def _validate(header: dict[str, Any]) -> None:
             if "parameters" in item and not isinstance(item["parameters"], dict):
                 raise BadRequest(f"{where}.parameters must be an object, got {_kind(item['parameters'])}")
             if section == "inputs":
+                if "data" in item and not isinstance(item["data"], list | RawData):
+                    raise BadRequest(f"{where}.data must be a JSON array")
                 if "datatype" in item and not isinstance(item["datatype"], str):
                     raise BadRequest(f"{where}.datatype must be a string, got {_kind(item['datatype'])}")
                 shape = item.get("shape")
@@ -330,9 +353,15 @@ class InferBody:
     )
 
     def __init__(
-        self, body: bytes, header_length: int | None, text: str, header: dict[str, Any], walker: _Walker
+        self,
+        body: bytes,
+        header_length: int | None,
+        text: str,
+        header: dict[str, Any],
+        walker: _Walker | None,
     ) -> None:
-        self.body = body  # exactly what Triton will read (inflated if the client compressed it)
+        """`walker` None: the header is forwarded as `canonical_header()` (small headers)."""
+        self.body = body  # as received (inflated if the client compressed it)
         self.header_length = header_length
         self.text = text
         self.header = header
@@ -341,7 +370,7 @@ class InferBody:
         self.timeout_us: int | None = params.get("timeout")
         # Requests of a stateful model's sequence must stay on one server (no retry elsewhere, no hedge).
         self.sequence_id: int | str | None = params.get("sequence_id")
-        self._spans = walker.data
+        self._spans = walker.data if walker is not None else []
         self._splice = walker
 
     @property
@@ -365,6 +394,9 @@ class InferBody:
         header can spell that placeholder at that place.
         """
         header = {k: v for k, v in self.header.items() if k != "id"}
+        tail = self.body[self.header_length :] if self.header_length is not None else b""
+        if self._splice is None:
+            return json.dumps(header, sort_keys=True, separators=(",", ":")).encode(), tail
         spans = [self.text[r.start : r.end].encode() for r in self._spans]
         sizes = iter([len(b) for b in spans])
         canonical = json.dumps(
@@ -373,7 +405,6 @@ class InferBody:
             separators=(",", ":"),
             default=lambda _: {"raw-bytes": next(sizes)},
         ).encode()
-        tail = self.body[self.header_length :] if self.header_length is not None else b""
         return canonical, b"".join(spans) + tail
 
     def with_timeout(self, timeout_s: float) -> tuple[bytes, int | None]:
@@ -383,9 +414,18 @@ class InferBody:
         received (no re-serialisation); returns (body, new header length or None).
         """
         us = max(1, int(timeout_s * 1e6))
-        if self.timeout_us and self.timeout_us <= us:  # 0 means "none" to Triton: ours is smaller
-            return self.body, self.header_length
+        keep = bool(self.timeout_us) and self.timeout_us <= us  # type: ignore[operator]  # 0: "none"
         w = self._splice
+        if w is None:
+            header = self.header
+            if not keep:
+                header = {**header, "parameters": {**header.get("parameters", {}), "timeout": us}}
+            data = json.dumps(header, separators=(",", ":")).encode()
+            if self.header_length is None:
+                return data, None
+            return data + self.body[self.header_length :], len(data)
+        if keep:
+            return self.body, self.header_length
         if w.timeout_span is not None:
             start, end, insert = w.timeout_span[0], w.timeout_span[1], str(us)
         elif w.params_open >= 0:
@@ -403,6 +443,22 @@ class InferBody:
         if self.text.isascii():
             return char_offset
         return len(self.text[:char_offset].encode())
+
+
+def _may_nest_deeper_than(text: str, limit: int) -> bool:
+    """Cheap over-estimate of nesting depth from the text (brackets inside strings count too);
+    True sends the header to the walk, which measures exactly and names the place."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    brackets = _NOT_OPENER.sub("", text)
+    for _ in range(limit):
+        if not brackets:
+            return False
+        brackets = brackets.replace("[]", "").replace("{}", "")
+    return bool(brackets)
+
+
+_loads_small = json.JSONDecoder(object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant).decode
 
 
 def parse_header_length(value: bytes | None) -> int | None:
@@ -447,11 +503,16 @@ def inflate(body: bytes, encoding: str, limit: int) -> bytes:
 
 
 def parse_infer_body(
-    body: bytes, header_length: int | None, encoding: str | None = None, limit: int = 64 << 20
+    body: bytes,
+    header_length: int | None,
+    encoding: str | None = None,
+    limit: int = 64 << 20,
+    canonical_bytes: int | None = None,
 ) -> InferBody:
-    """Inflate (if encoded), walk and validate one request body; BadRequest names what is wrong.
+    """Inflate (if encoded), parse and validate one request body; BadRequest names what is wrong.
 
-    `limit` bounds the inflated size (limits.max_request_bytes)."""
+    `limit` bounds the inflated size (limits.max_request_bytes); headers under `canonical_bytes`
+    (default CANONICAL_BYTES) are forwarded re-serialised, larger ones as received."""
     if encoding is not None:
         body = inflate(body, encoding, limit)
     if header_length is not None and header_length > len(body):
@@ -461,6 +522,15 @@ def parse_infer_body(
         text = raw.decode("utf-8")  # Triton reads UTF-8 only (Python's json would guess UTF-16/32)
     except UnicodeDecodeError as exc:
         raise BadRequest(f"the request JSON is not valid UTF-8 at byte {exc.start}") from None
+    if len(text) < (CANONICAL_BYTES if canonical_bytes is None else canonical_bytes):
+        try:
+            header = _loads_small(text)
+        except (ValueError, RecursionError):
+            pass  # the walk below names what is wrong
+        else:
+            if isinstance(header, dict) and not _may_nest_deeper_than(text, MAX_DEPTH):
+                _validate(header)
+                return InferBody(body, header_length, text, header, None)
     walker = _Walker(text, small=len(text) < OFF_LOOP_BYTES)
     i = walker.ws(0)
     if i >= len(text):

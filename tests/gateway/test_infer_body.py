@@ -70,22 +70,28 @@ def _resolve(header: Any, text: str) -> Any:
     return header
 
 
+# canonical_bytes: 0 forces the walk used for large headers, None the default (small: json in C).
+modes = st.sampled_from([0, None])
+
+
 @settings(max_examples=300, deadline=None)
-@given(requests, st.sampled_from([None, 1]), st.booleans())
-def test_the_walk_reads_what_json_reads(request: dict[str, Any], indent: int | None, sort: bool) -> None:
+@given(requests, st.sampled_from([None, 1]), st.booleans(), modes)
+def test_the_walk_reads_what_json_reads(
+    request: dict[str, Any], indent: int | None, sort: bool, mode: int | None
+) -> None:
     body = _dumps(request, indent, sort)
-    parsed = parse_infer_body(body, None)
+    parsed = parse_infer_body(body, None, canonical_bytes=mode)
     assert _resolve(parsed.header, parsed.text) == json.loads(body)
     assert parsed.request_id == request.get("id", "")
     assert parsed.timeout_us == request.get("parameters", {}).get("timeout")
 
 
 @settings(max_examples=300, deadline=None)
-@given(requests, requests)
-def test_equal_cache_keys_mean_equal_requests(a: dict[str, Any], b: dict[str, Any]) -> None:
+@given(requests, requests, modes)
+def test_equal_cache_keys_mean_equal_requests(a: dict[str, Any], b: dict[str, Any], mode: int | None) -> None:
     """Key material is injective on what Triton reads (everything but `id`)."""
-    ka = parse_infer_body(_dumps(a, None, False), None).key_material()
-    kb = parse_infer_body(_dumps(b, None, True), None).key_material()
+    ka = parse_infer_body(_dumps(a, None, False), None, canonical_bytes=mode).key_material()
+    kb = parse_infer_body(_dumps(b, None, True), None, canonical_bytes=mode).key_material()
     strip = lambda r: {k: v for k, v in r.items() if k != "id"}  # noqa: E731
     if ka == kb:
         assert json.loads(json.dumps(strip(a))) == json.loads(json.dumps(strip(b)))
@@ -94,29 +100,36 @@ def test_equal_cache_keys_mean_equal_requests(a: dict[str, Any], b: dict[str, An
 
 
 @settings(max_examples=200, deadline=None)
-@given(requests, st.data())
-def test_any_change_to_a_data_array_changes_the_key(request: dict[str, Any], data: st.DataObject) -> None:
+@given(requests, st.data(), modes)
+def test_any_change_to_a_data_array_changes_the_key(
+    request: dict[str, Any], data: st.DataObject, mode: int | None
+) -> None:
     filled = [n for n, inp in enumerate(request["inputs"]) if inp["data"]]
     if not filled:
         return
     n = data.draw(st.sampled_from(filled))
     changed = json.loads(json.dumps(request))
     changed["inputs"][n]["data"] = data.draw(data_values.filter(lambda v: v != request["inputs"][n]["data"]))
-    before = parse_infer_body(_dumps(request, None, False), None).key_material()
-    assert parse_infer_body(_dumps(changed, None, False), None).key_material() != before
+    before = parse_infer_body(_dumps(request, None, False), None, canonical_bytes=mode).key_material()
+    assert parse_infer_body(_dumps(changed, None, False), None, canonical_bytes=mode).key_material() != before
 
 
 def test_the_id_and_key_order_do_not_change_the_key_but_data_text_does() -> None:
     one = b'{"id":"a","inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1.0]}]}'
     two = b'{"inputs":[{"data":[1.0],"datatype":"FP32","shape":[1],"name":"x"}], "id":"b"}'
     three = b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1.00]}]}'
-    keys = [parse_infer_body(b, None).key_material() for b in (one, two, three)]
+    keys = [parse_infer_body(b, None, canonical_bytes=0).key_material() for b in (one, two, three)]
     assert keys[0] == keys[1] != keys[2]
+    # Small headers are forwarded re-serialised, so equal values are one key whatever their spelling.
+    keys = [parse_infer_body(b, None).key_material() for b in (one, two, three)]
+    assert keys[0] == keys[1] == keys[2]
 
 
 @settings(max_examples=200, deadline=None)
-@given(requests, st.sampled_from(["top", "input", "param", "output"]))
-def test_duplicate_keys_are_refused_wherever_they_are(request: dict[str, Any], where: str) -> None:
+@given(requests, st.sampled_from(["top", "input", "param", "output"]), modes)
+def test_duplicate_keys_are_refused_wherever_they_are(
+    request: dict[str, Any], where: str, mode: int | None
+) -> None:
     text = json.dumps(request)
     inp = '{"name":"x","shape":[1],"datatype":"FP32","data":[1],"name":"y"}'
     body = {
@@ -126,12 +139,13 @@ def test_duplicate_keys_are_refused_wherever_they_are(request: dict[str, Any], w
         "output": '{"inputs":[],"outputs":[{"name":"a","parameters":{"b":1,"b":2}}]}',
     }[where]
     with pytest.raises(BadRequest, match="duplicate key"):
-        parse_infer_body(body.encode(), None)
+        parse_infer_body(body.encode(), None, canonical_bytes=mode)
 
 
-def test_duplicate_messages_name_the_key_and_place() -> None:
+@pytest.mark.parametrize("mode", [0, None])
+def test_duplicate_messages_name_the_key_and_place(mode: int | None) -> None:
     with pytest.raises(BadRequest) as info:
-        parse_infer_body(b'{"inputs":[{"name":"a","shape":[1],"shape":[2]}]}', None)
+        parse_infer_body(b'{"inputs":[{"name":"a","shape":[1],"shape":[2]}]}', None, canonical_bytes=mode)
     assert info.value.message == (
         "duplicate key 'shape' in inputs[0] of the request JSON; send each key once "
         "(Triton reads the first occurrence, so the request is ambiguous)"
@@ -163,11 +177,16 @@ def test_duplicate_messages_name_the_key_and_place() -> None:
             "inputs[0].data nests deeper than 32",
         ),
         (b'{"inputs":[{"data":[1,2}]}', "the request JSON is malformed"),
+        (
+            b'{"inputs":[{"data":' + b"[0," * 40 + b"0" + b"]" * 40 + b"}]}",
+            "inputs[0].data nests deeper than 32",
+        ),
     ],
 )
-def test_bad_bodies_are_400s_naming_the_field(body: bytes, message: str) -> None:
+@pytest.mark.parametrize("mode", [0, None])
+def test_bad_bodies_are_400s_naming_the_field(body: bytes, message: str, mode: int | None) -> None:
     with pytest.raises(BadRequest) as info:
-        parse_infer_body(body, None)
+        parse_infer_body(body, None, canonical_bytes=mode)
     assert info.value.message.startswith(message)
 
 
@@ -191,13 +210,13 @@ def test_sequence_id_is_exposed_for_sticky_routing() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(requests, st.floats(1e-6, 100.0), st.booleans())
+@given(requests, st.floats(1e-6, 100.0), st.booleans(), modes)
 def test_the_remaining_deadline_is_spliced_in_without_touching_the_rest(
-    request: dict[str, Any], timeout_s: float, binary: bool
+    request: dict[str, Any], timeout_s: float, binary: bool, mode: int | None
 ) -> None:
     header = _dumps(request, None, False)
     tail = b"\x00\x01tensor-bytes" if binary else b""
-    parsed = parse_infer_body(header + tail, len(header) if binary else None)
+    parsed = parse_infer_body(header + tail, len(header) if binary else None, canonical_bytes=mode)
     body, n = parsed.with_timeout(timeout_s)
     if binary:
         assert n is not None and body[n:] == tail
@@ -215,16 +234,17 @@ def test_the_remaining_deadline_is_spliced_in_without_touching_the_rest(
 
 def test_splicing_counts_bytes_not_characters() -> None:
     body = '{"inputs":[{"name":"ü€𝄞","shape":[1],"datatype":"BYTES","data":["ü"]}],"parameters":{}}'.encode()
-    parsed = parse_infer_body(body, None)
+    parsed = parse_infer_body(body, None, canonical_bytes=0)
     assert json.loads(parsed.with_timeout(0.25)[0])["parameters"] == {"timeout": 250000}
-    empty = parse_infer_body(b"{}", None)
+    empty = parse_infer_body(b"{}", None, canonical_bytes=0)
     assert json.loads(empty.with_timeout(1)[0]) == {"parameters": {"timeout": 1000000}}
 
 
-def test_a_smaller_client_timeout_is_kept_and_zero_means_none() -> None:
-    smaller = parse_infer_body(b'{"inputs":[],"parameters":{"timeout":5}}', None)
-    assert smaller.with_timeout(1.0)[0] == smaller.body
-    zero = parse_infer_body(b'{"inputs":[],"parameters":{"timeout":0}}', None)
+@pytest.mark.parametrize("mode", [0, None])
+def test_a_smaller_client_timeout_is_kept_and_zero_means_none(mode: int | None) -> None:
+    smaller = parse_infer_body(b'{"inputs":[],"parameters":{"timeout":5}}', None, canonical_bytes=mode)
+    assert json.loads(smaller.with_timeout(1.0)[0]) == {"inputs": [], "parameters": {"timeout": 5}}
+    zero = parse_infer_body(b'{"inputs":[],"parameters":{"timeout":0}}', None, canonical_bytes=mode)
     assert json.loads(zero.with_timeout(1.0)[0])["parameters"]["timeout"] == 1_000_000
 
 
