@@ -324,3 +324,92 @@ def test_slow_uploads_hold_no_inflight_slot_and_time_out(one_triton, make_gatewa
     finally:
         for s in slow:
             s.close()
+
+
+# -- 8. the remaining deadline reaches Triton ---------------------------------------------------
+class RecordingRelay:
+    """A loopback TCP relay in front of one real Triton that keeps the bytes the gateway sent."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sent = bytearray()
+        self.lock = threading.Lock()
+        self.closing = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closing:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
+        try:
+            while chunk := src.recv(65536):
+                if record:
+                    with self.lock:
+                        self.sent += chunk
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def infer_headers(self) -> list[dict[str, Any]]:
+        """The JSON inference header of every infer request relayed so far."""
+        with self.lock:
+            data = bytes(self.sent)
+        out = []
+        while (start := data.find(b"POST /v2/models/")) >= 0:
+            head, _, rest = data[start:].partition(b"\r\n\r\n")
+            fields = {
+                k.strip().lower(): v.strip()
+                for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+            }
+            body = rest[: int(fields[b"content-length"])]
+            n = fields.get(b"inference-header-content-length")
+            out.append(json.loads(body[: int(n)] if n is not None else body))
+            data = rest[len(body) :]
+        return out
+
+    def close(self) -> None:
+        self.closing = True
+        self.listener.close()
+
+
+def test_the_remaining_deadline_reaches_triton_as_its_timeout(one_triton, make_gateway) -> None:
+    triton = one_triton["us-east"][0]
+    relay = RecordingRelay(triton.http_address)
+    try:
+        cfg = gateway_config(one_triton)
+        cfg["regions"][0]["servers"][0]["http"] = relay.address  # infer over the relay, probes over gRPC
+        g = make_gateway(cfg)
+        x = np.random.default_rng(60).standard_normal((2, 8)).astype(np.float32)
+        client = httpclient.InferenceServerClient(g.http)
+        inp = httpclient.InferInput("features", [2, 8], "FP32")
+        inp.set_data_from_numpy(x, binary_data=True)
+        got = client.infer("lt_nocache", [inp], headers={"x-skewserve-timeout-ms": "5000"})
+        want = httpclient.InferenceServerClient(triton.http_address).infer("lt_nocache", [inp])
+        np.testing.assert_array_equal(got.as_numpy("probabilities"), want.as_numpy("probabilities"))
+        body = f'{{"inputs":[{_input(_row(61))}],"parameters":{{"timeout":4000000}}}}'.encode()
+        status, _, raw = _post(g.http, gzip.compress(body), "lt_nocache", {"Content-Encoding": "gzip"})
+        assert status == 200, raw
+        binary, compressed = relay.infer_headers()
+        assert 0 < binary["parameters"]["timeout"] <= 5_000_000  # the remaining deadline, in microseconds
+        assert binary["inputs"][0]["parameters"] == {"binary_data_size": x.nbytes}
+        # The client's timeout was the deadline: what remains of it, never more, reaches Triton.
+        assert 0 < compressed["parameters"]["timeout"] <= 4_000_000
+        assert compressed["inputs"] == json.loads(body)["inputs"]  # forwarded inflated
+    finally:
+        relay.close()
