@@ -30,6 +30,7 @@ from tests.gateway.conftest import (
     start_fleet,
     stop_fleet,
 )
+from tests.gateway.relay import TcpRelay
 
 pytestmark = pytest.mark.slow
 MAX_BATCH = 8
@@ -327,70 +328,9 @@ def test_slow_uploads_hold_no_inflight_slot_and_time_out(one_triton, make_gatewa
 
 
 # -- 8. the remaining deadline reaches Triton ---------------------------------------------------
-class RecordingRelay:
-    """A loopback TCP relay in front of one real Triton that keeps the bytes the gateway sent."""
-
-    def __init__(self, target: str) -> None:
-        host, port = target.rsplit(":", 1)
-        self.target = (host, int(port))
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.sent = bytearray()
-        self.lock = threading.Lock()
-        self.closing = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.closing:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
-        try:
-            while chunk := src.recv(65536):
-                if record:
-                    with self.lock:
-                        self.sent += chunk
-                dst.sendall(chunk)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def infer_headers(self) -> list[dict[str, Any]]:
-        """The JSON inference header of every infer request relayed so far."""
-        with self.lock:
-            data = bytes(self.sent)
-        out = []
-        while (start := data.find(b"POST /v2/models/")) >= 0:
-            head, _, rest = data[start:].partition(b"\r\n\r\n")
-            fields = {
-                k.strip().lower(): v.strip()
-                for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])
-            }
-            body = rest[: int(fields[b"content-length"])]
-            n = fields.get(b"inference-header-content-length")
-            out.append(json.loads(body[: int(n)] if n is not None else body))
-            data = rest[len(body) :]
-        return out
-
-    def close(self) -> None:
-        self.closing = True
-        self.listener.close()
-
-
 def test_the_remaining_deadline_reaches_triton_as_its_timeout(one_triton, make_gateway) -> None:
     triton = one_triton["us-east"][0]
-    relay = RecordingRelay(triton.http_address)
+    relay = TcpRelay(triton.http_address)
     try:
         cfg = gateway_config(one_triton)
         cfg["regions"][0]["servers"][0]["http"] = relay.address  # infer over the relay, probes over gRPC
