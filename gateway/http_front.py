@@ -26,6 +26,7 @@ from gateway.errors import (
     BadRequest,
     GatewayError,
     NotFound,
+    Overloaded,
     RequestTimeout,
     RequestTooLarge,
     UpstreamRejected,
@@ -112,6 +113,9 @@ class HttpFront:
         self.region_header = cfg.routing.region_header.lower().encode()
         self.timeout_header = cfg.retries.timeout_header.lower().encode()
         self.body_timeout_s = cfg.limits.body_read_timeout_s
+        # Bytes of bodies still being received, bounded on their own: uploads hold no in-flight slot.
+        self.receiving = 0
+        self.max_receiving = cfg.limits.max_buffered_body_bytes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -160,11 +164,12 @@ class HttpFront:
         try:
             if content_length is not None and int(content_length) > self.max_bytes:
                 raise RequestTooLarge(
-                    f"request body of {int(content_length)} bytes exceeds the limit of {self.max_bytes}",
-                    headers={"connection": "close"},
+                    f"request body of {int(content_length)} bytes exceeds the limit of {self.max_bytes}"
                 )
             # The body is read before the request takes an in-flight slot: a slow upload holds
             # only its connection, bounded by limits.body_read_timeout_s, never the admission limit.
+            # An unknown key is refused before anything is read.
+            gw.auth.authenticate(authorization, api_key)
             body = await self._read_body(receive)
             gw.inflight += 1
             counted = True
@@ -172,8 +177,6 @@ class HttpFront:
             hl = parse_header_length(header_length)
             request = await self._parse(model, body, hl, encoding)
             if request is None:  # large plain JSON nobody needs read: forwarded untouched
-                if encoding is not None:
-                    forward.append((b"content-encoding", encoding.encode("latin-1")))
                 timeout_us = None
             else:
                 body = request.body
@@ -302,21 +305,27 @@ class HttpFront:
     async def _receive_body(self, receive: Any) -> bytes:
         chunks = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise BadRequest("the client disconnected before sending the whole request body")
-            chunk = message.get("body", b"")
-            if chunk:
-                size += len(chunk)
-                if size > self.max_bytes:
-                    raise RequestTooLarge(
-                        f"request body exceeds the limit of {self.max_bytes} bytes",
-                        headers={"connection": "close"},
-                    )
-                chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise BadRequest("the client disconnected before sending the whole request body")
+                chunk = message.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    self.receiving += len(chunk)
+                    if size > self.max_bytes:
+                        raise RequestTooLarge(f"request body exceeds the limit of {self.max_bytes} bytes")
+                    if self.receiving > self.max_receiving:
+                        raise Overloaded(
+                            f"the gateway is receiving more than {self.max_receiving} bytes of request "
+                            "bodies at once (limits.max_buffered_body_bytes); retry later"
+                        )
+                    chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        finally:
+            self.receiving -= size
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _error(

@@ -353,3 +353,36 @@ def test_the_remaining_deadline_reaches_triton_as_its_timeout(one_triton, make_g
         assert compressed["inputs"] == json.loads(body)["inputs"]  # forwarded inflated
     finally:
         relay.close()
+
+
+def test_bodies_being_received_are_bounded_in_bytes(one_triton, make_gateway) -> None:
+    limits = {"max_request_bytes": 150_000, "max_buffered_body_bytes": 200_000}
+    g = make_gateway(gateway_config(one_triton, limits=limits))
+    host, port = g.http.rsplit(":", 1)
+    padded = f'{{"inputs":[{_input(_row(70))}]{" " * 100_000}}}'.encode()  # valid, ~100 KB
+    small = f'{{"inputs":[{_input(_row(71))}]}}'.encode()
+    slow = socket.create_connection((host, int(port)), timeout=30)
+    try:
+        slow.sendall(
+            b"POST /v2/models/lt_nocache/infer HTTP/1.1\r\nHost: gw\r\nContent-Length: 150000\r\n"
+            b"Expect: 100-continue\r\n\r\n"
+        )
+        assert slow.recv(64).startswith(b"HTTP/1.1 100 Continue")
+        slow.sendall(b" " * 120_000)  # held: 120 KB of an unfinished body
+        for _ in range(50):  # until the gateway has received those bytes
+            status, _, raw = _post(g.http, padded, model="lt_nocache")
+            if status == 503:
+                break
+            assert status == 200, raw
+        assert (status, json.loads(raw)["error"]) == (
+            503,
+            "the gateway is receiving more than 200000 bytes of request bodies at once "
+            "(limits.max_buffered_body_bytes); retry later",
+        )
+        assert _post(g.http, small, model="lt_nocache")[0] == 200  # small bodies still fit
+    finally:
+        slow.close()
+    for _ in range(50):  # the abandoned upload's bytes are given back once the gateway sees it go
+        if (status := _post(g.http, padded, model="lt_nocache")[0]) == 200:
+            break
+    assert status == 200

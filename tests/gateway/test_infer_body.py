@@ -302,3 +302,9 @@ def test_body_read_timeout_is_configurable_and_positive() -> None:
     assert LimitsConfig(body_read_timeout_s=2.5).body_read_timeout_s == 2.5
     with pytest.raises(ValueError, match="body_read_timeout_s"):
         LimitsConfig(body_read_timeout_s=0)
+
+
+def test_the_body_buffer_must_hold_one_request_of_the_largest_size() -> None:
+    assert LimitsConfig().max_buffered_body_bytes == 512 * 1024 * 1024
+    with pytest.raises(ValueError, match=r"limits.max_buffered_body_bytes \(10\) must be at least"):
+        LimitsConfig(max_request_bytes=100, max_buffered_body_bytes=10)
