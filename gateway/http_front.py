@@ -1,8 +1,10 @@
 """KServe v2 / Triton HTTP front.
 
 `/v2/models/{m}[/versions/{v}]/infer` is served by a raw ASGI handler: the body (JSON, or Triton's
-binary tensor extension with `Inference-Header-Content-Length`) is forwarded as received and
-Triton's bytes come back as sent, with no decoding of tensor data. Everything else (health,
+binary tensor extension with `Inference-Header-Content-Length`) is read as Triton reads it
+(`gateway/infer_body.py`: inflated, duplicate keys refused, the remaining deadline added as the
+`timeout` parameter), binary tensor bytes are forwarded untouched, and Triton's bytes come back
+as sent. Everything else (health,
 metadata, config, admin, metrics) goes to a FastAPI app. Triton's repository, model-control,
 shared-memory, trace and logging endpoints are not routed: 404 in Triton's `{"error": ...}` shape.
 """
