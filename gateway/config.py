@@ -287,6 +287,25 @@ class LimitsConfig(_Strict):
         ge=1,
         description="client-address buckets kept in memory (least recently used dropped)",
     )
+    body_read_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="bound on receiving one request's body; a slower upload gets 408 (and holds no in-flight slot meanwhile)",
+    )
+    max_buffered_body_bytes: int = Field(
+        default=512 * 1024 * 1024,
+        ge=1,
+        description="bound on the bytes of request bodies being received at once; above it new bytes get 503",
+    )
+
+    @model_validator(mode="after")
+    def _buffer_holds_a_request(self) -> LimitsConfig:
+        if self.max_buffered_body_bytes < self.max_request_bytes:
+            raise ValueError(
+                f"limits.max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at least "
+                f"limits.max_request_bytes ({self.max_request_bytes}), or no request of the largest size is accepted"
+            )
+        return self
 
 
 class DrainConfig(_Strict):

@@ -4,6 +4,7 @@ GatewayError
  +-- ClientError              the request is wrong; never retried
  |    +-- Unauthenticated (401)   PermissionDenied (403)   RateLimited (429, Retry-After)
  |    +-- RequestTooLarge (413)   BadRequest (400)         NotFound (404)
+ |    +-- RequestTimeout (408, body not received in time)   UnsupportedEncoding (415)
  +-- Overloaded (503)         global in-flight bound reached, or draining
  +-- UpstreamError
       +-- NoReadyServer (503) no server anywhere has the model (and version) ready
@@ -113,3 +114,16 @@ def http_status_for(exc: BaseException) -> int:
 
 def grpc_code_for(exc: BaseException) -> grpc.StatusCode:
     return exc.grpc_code if isinstance(exc, GatewayError) else grpc.StatusCode.INTERNAL
+
+
+class RequestTimeout(ClientError):
+    """The client did not send its request body within the gateway's bound."""
+
+    http_status = 408
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class UnsupportedEncoding(ClientError):
+    """A Content-Encoding neither the gateway nor Triton can read."""
+
+    http_status = 415

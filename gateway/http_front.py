@@ -1,14 +1,17 @@
 """KServe v2 / Triton HTTP front.
 
 `/v2/models/{m}[/versions/{v}]/infer` is served by a raw ASGI handler: the body (JSON, or Triton's
-binary tensor extension with `Inference-Header-Content-Length`) is forwarded as received and
-Triton's bytes come back as sent, with no decoding of tensor data. Everything else (health,
-metadata, config, statistics; admin and metrics for admin keys only, see ops.py) goes to a FastAPI app. Triton's repository, model-control,
-shared-memory, trace and logging endpoints are not routed: 404 in Triton's `{"error": ...}` shape.
+binary tensor extension with `Inference-Header-Content-Length`) is read as Triton reads it
+(`gateway/infer_body.py`: inflated, duplicate keys refused, the remaining deadline added as the
+`timeout` parameter), binary tensor bytes are forwarded untouched, and Triton's bytes come back
+as sent. Everything else (health, metadata, config, statistics; admin and metrics for admin keys
+only, see ops.py) goes to a FastAPI app. Triton's repository, model-control, shared-memory, trace
+and logging endpoints are not routed: 404 in Triton's `{"error": ...}` shape.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -25,10 +28,13 @@ from gateway.errors import (
     BadRequest,
     GatewayError,
     NotFound,
+    Overloaded,
+    RequestTimeout,
     RequestTooLarge,
     UpstreamRejected,
     http_status_for,
 )
+from gateway.infer_body import OFF_LOOP_BYTES, InferBody, parse_header_length, parse_infer_body_async
 from gateway.ops import metrics_response, require_admin, upstreams_response
 from gateway.request_id import checked_request_id
 from gateway.statistics import (
@@ -66,20 +72,6 @@ def parse_infer_path(path: str) -> tuple[str, str] | None:
     if len(parts) == 7 and parts[4] == "versions" and parts[6] == "infer":
         return parts[3], parts[5]
     return None
-
-
-def split_request(body: bytes, header_length: int | None) -> tuple[dict[str, Any], bytes]:
-    """The JSON inference header and the binary tensor tail of a request body."""
-    try:
-        if header_length is None:
-            return json.loads(body), b""
-        if header_length > len(body):
-            raise BadRequest(
-                f"Inference-Header-Content-Length {header_length} exceeds the body size {len(body)}"
-            )
-        return json.loads(body[:header_length]), body[header_length:]
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"failed to parse the request JSON: {exc}") from exc
 
 
 def _encode_entry(resp: HttpResponse) -> bytes:
@@ -131,6 +123,10 @@ class HttpFront:
         self.max_batch = cfg.limits.max_batch_size
         self.region_header = cfg.routing.region_header.lower().encode()
         self.timeout_header = cfg.retries.timeout_header.lower().encode()
+        self.body_timeout_s = cfg.limits.body_read_timeout_s
+        # Bytes of bodies still being received, bounded on their own: uploads hold no in-flight slot.
+        self.receiving = 0
+        self.max_receiving = cfg.limits.max_buffered_body_bytes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -143,15 +139,21 @@ class HttpFront:
     async def infer(self, scope: dict[str, Any], receive: Any, send: Any, model: str, version: str) -> None:
         gw = self.gw
         started = gw.clock()
-        content_length = header_length = None
+        content_length = header_length = encoding = None
         authorization = api_key = request_id = pinned = timeout_ms = None
         forward: list[tuple[bytes, bytes]] = []
         for k, v in scope["headers"]:
             if k in _FORWARD:
-                forward.append((k, v))
+                # Encoding and header length describe the body as received; they are re-added
+                # below for whatever body is forwarded (inflated, or with a timeout spliced in).
                 if k == b"inference-header-content-length":
                     header_length = v
-                elif k == b"x-request-id":
+                    continue
+                if k == b"content-encoding":
+                    encoding = v.decode("latin-1")
+                    continue
+                forward.append((k, v))
+                if k == b"x-request-id":
                     request_id = v.decode("latin-1")
             elif k == b"content-length":
                 content_length = v
@@ -169,43 +171,51 @@ class HttpFront:
         extra = [(b"x-request-id", request_id.encode())]
         status = 500
         route_region = route_server = ""
-        gw.inflight += 1
+        counted = False
         try:
-            await gw.admit(model, authorization, api_key, (scope.get("client") or ("",))[0])
+            checked_request_id(request_id)  # forwarded to Triton and logged: bounded and printable
             if content_length is not None and int(content_length) > self.max_bytes:
                 raise RequestTooLarge(
                     f"request body of {int(content_length)} bytes exceeds the limit of {self.max_bytes}"
                 )
+            # The body is read before the request takes an in-flight slot: a slow upload holds
+            # only its connection, bounded by limits.body_read_timeout_s, never the admission limit.
+            # An unknown key is refused before anything is read.
+            gw.auth.authenticate(authorization, api_key)
             body = await self._read_body(receive)
-            try:
-                hl = int(header_length) if header_length is not None else None
-            except ValueError:
-                shown = (header_length or b"").decode("latin-1")
-                raise BadRequest(
-                    f"Inference-Header-Content-Length must be an integer, got {shown!r}"
-                ) from None
-            parsed = None
-            if self.max_batch:
-                parsed, _ = split_request(body, hl)
-                self._check_batch(parsed)
-            timeout_us = None
-            if b'"timeout"' in (body if hl is None else body[:hl]):
-                if parsed is None:
-                    parsed, _ = split_request(body, hl)
-                timeout_us = (parsed.get("parameters") or {}).get("timeout")
+            gw.inflight += 1
+            counted = True
+            await gw.admit(model, authorization, api_key, (scope.get("client") or ("",))[0])
+            hl = parse_header_length(header_length)
+            request = await self._parse(model, body, hl, encoding)
+            if request is None:  # large plain JSON nobody needs read: forwarded untouched
+                timeout_us = None
+            else:
+                body = request.body
+                timeout_us = request.timeout_us
+                if self.max_batch:
+                    self._check_batch(request)
             deadline = gw.deadline(timeout_ms, timeout_us)
             path = scope["raw_path"] + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
 
             async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
-                return await server.http_request(b"POST", path, body, forward, timeout_s)
+                if request is None:
+                    return await server.http_request(b"POST", path, body, forward, timeout_s)
+                # Triton stops work the gateway has given up on: pass this attempt's bound on.
+                data, n = request.with_timeout(timeout_s)
+                headers = (
+                    forward if n is None else [*forward, (b"inference-header-content-length", b"%d" % n)]
+                )
+                return await server.http_request(b"POST", path, data, headers, timeout_s)
 
             cache_state = None
             if gw.cache_enabled(model):
+                assert request is not None  # the cache always parses
                 # One stored entry must serve every client: ask Triton for the identity encoding
                 # (HTTP lets a server ignore Accept-Encoding), so entries are never gzip bytes.
                 forward = [(k, v) for k, v in forward if k != b"accept-encoding"]
                 resp, route, cache_state = await self._cached(
-                    model, version, pinned, deadline, body, hl, parsed, attempt
+                    model, version, pinned, deadline, request, attempt
                 )
             else:
                 outcome = await gw.send(model, version, pinned, deadline, attempt)
@@ -229,8 +239,24 @@ class HttpFront:
             logger.exception("unhandled error in infer, request_id=%s", request_id)
             status = await self._error(send, exc, extra, request_id)
         finally:
-            gw.inflight -= 1
+            if counted:
+                gw.inflight -= 1
             gw.metrics.request(model, route_region, route_server, "http", str(status), gw.clock() - started)
+
+    async def _parse(self, model: str, body: bytes, hl: int | None, encoding: str | None) -> InferBody | None:
+        """Read the request as Triton will, when anything needs it; None for large plain JSON
+        that neither the cache, the batch limit, nor a `timeout`/`sequence_id` parameter needs."""
+        if (
+            encoding is None
+            and hl is None
+            and len(body) >= OFF_LOOP_BYTES
+            and not self.max_batch
+            and not self.gw.cache_enabled(model)
+            and b'"timeout"' not in body
+            and b'"sequence_id"' not in body
+        ):
+            return None
+        return await parse_infer_body_async(body, hl, encoding, self.max_bytes)
 
     async def _cached(
         self,
@@ -238,21 +264,18 @@ class HttpFront:
         version: str,
         pinned: str | None,
         deadline: float,
-        body: bytes,
-        hl: int | None,
-        parsed: dict[str, Any] | None,
+        request: InferBody,
         attempt: Any,
     ) -> tuple[HttpResponse, Any, str]:
         gw = self.gw
-        header, tail = (
-            (parsed, body[hl:] if hl is not None else b"") if parsed is not None else split_request(body, hl)
-        )
-        request_id = str(header.pop("id", ""))
         resolved = version or gw.router.latest_version(model)
-        canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-        key = await cache_key_async(
-            "http-binary" if hl is not None else "http-json", model, resolved, canonical, tail
-        )
+        if len(request.body) < OFF_LOOP_BYTES:
+            canonical, tensors = request.key_material()
+        else:
+            canonical, tensors = await asyncio.to_thread(request.key_material)
+        # "/2": keys over exact `data` text, never equal to the v1 keys over re-serialised values.
+        protocol = "http-binary/2" if request.header_length is not None else "http-json/2"
+        key = await cache_key_async(protocol, model, resolved, canonical, tensors)
         route_box: list[Any] = []
 
         async def fetch() -> tuple[HttpResponse, bytes | None]:
@@ -270,30 +293,51 @@ class HttpFront:
 
         resp, state = await gw.cached(key, model, fetch, _decode_entry, deadline)
         if state != "miss" and resp.status == 200:
-            resp = restamp_id(resp, request_id)
+            resp = restamp_id(resp, request.request_id)
         return resp, (route_box[0] if route_box else None), state
 
-    def _check_batch(self, header: dict[str, Any]) -> None:
-        for inp in header.get("inputs", []):
-            shape = inp.get("shape") or [0]
-            if isinstance(shape[0], int) and shape[0] > self.max_batch:
+    def _check_batch(self, request: InferBody) -> None:
+        for name, batch in request.batch_sizes():
+            if batch > self.max_batch:
                 raise BadRequest(
-                    f"input {inp.get('name')!r} has batch size {shape[0]}, above the gateway limit of {self.max_batch}"
+                    f"input {name!r} has batch size {batch}, above the gateway limit of {self.max_batch}"
                 )
 
     async def _read_body(self, receive: Any) -> bytes:
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                return await self._receive_body(receive)
+        except TimeoutError:
+            raise RequestTimeout(
+                f"request body not received within {self.body_timeout_s:g} s "
+                "(limits.body_read_timeout_s); send the body without pauses",
+                headers={"connection": "close"},
+            ) from None
+
+    async def _receive_body(self, receive: Any) -> bytes:
         chunks = []
         size = 0
-        while True:
-            message = await receive()
-            chunk = message.get("body", b"")
-            if chunk:
-                size += len(chunk)
-                if size > self.max_bytes:
-                    raise RequestTooLarge(f"request body exceeds the limit of {self.max_bytes} bytes")
-                chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise BadRequest("the client disconnected before sending the whole request body")
+                chunk = message.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    self.receiving += len(chunk)
+                    if size > self.max_bytes:
+                        raise RequestTooLarge(f"request body exceeds the limit of {self.max_bytes} bytes")
+                    if self.receiving > self.max_receiving:
+                        raise Overloaded(
+                            f"the gateway is receiving more than {self.max_receiving} bytes of request "
+                            "bodies at once (limits.max_buffered_body_bytes); retry later"
+                        )
+                    chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        finally:
+            self.receiving -= size
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _error(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import socket
+import threading
 import urllib.error
 import urllib.request
 
@@ -14,6 +14,7 @@ from tritonclient.utils import InferenceServerException
 
 from gateway.auth import hash_key
 from tests.gateway.conftest import gateway_config, wait_until
+from tests.gateway.relay import TcpRelay
 
 ADMIN_KEY = "sk-admin-7f3a9c2e51"
 LIMITED_KEY = "sk-limited-0b8d4e6f"
@@ -103,19 +104,28 @@ def test_keys_never_appear_in_logs(secured) -> None:
 
 
 def test_global_inflight_limit_sheds_with_503(fleet, make_gateway) -> None:
-    gw = make_gateway(gateway_config(fleet, limits={"max_inflight": 1}))
-    # Hold one request in flight: send its head and half its body, then stop.
-    held = socket.create_connection(("127.0.0.1", gw.http_port))
-    held.sendall(
-        b"POST /v2/models/lt_nocache/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(BODY)
-        + BODY[:10]
-    )
+    # Hold one request in flight upstream: a relay in front of the only server forwards nothing
+    # until released. (A slow upload holds no slot: the gateway reads the body before admitting.)
+    triton = fleet["us-east"][0]
+    relay = TcpRelay(triton.http_address, hold=True)
+    cfg = gateway_config(fleet, limits={"max_inflight": 1})
+    cfg["regions"] = [
+        {
+            "name": "us-east",
+            "servers": [{"name": triton.spec.name, "http": relay.address, "grpc": triton.grpc_address}],
+        }
+    ]
+    gw = make_gateway(cfg)
+    held: list[int] = []
+    holder = threading.Thread(target=lambda: held.append(_post(gw.http, "lt_nocache")[0]))
+    holder.start()
     try:
         wait_until(lambda: gw.admin()["inflight"] == 1, what="the held request to be in flight")
         status, _, body = _post(gw.http, "lt_nocache")
         assert status == 503 and body["error"] == "gateway is at its in-flight limit (1); retry later"
-        held.sendall(BODY[10:])
-        assert b"200 OK" in held.recv(65536)
+        relay.release()
+        holder.join(30)
+        assert held == [200]
     finally:
-        held.close()
+        relay.close()
     assert _post(gw.http, "lt_nocache")[0] == 200
