@@ -71,6 +71,20 @@ class HealthConfig(_Strict):
     )
     base_ejection_s: float = Field(default=2.0, gt=0)
     max_ejection_s: float = Field(default=60.0, gt=0)
+    max_ejection_percent: float = Field(
+        default=50.0,
+        ge=0,
+        le=100,
+        description="most of a region's servers that may be ejected at once, in percent; one server "
+        "may always be ejected (Envoy's max_ejection_percent)",
+    )
+    panic_threshold_percent: float = Field(
+        default=50.0,
+        ge=0,
+        le=100,
+        description="when no region has an available server with the model, a region whose available "
+        "share is below this routes to its ejected, then unhealthy, servers rather than none; 0 disables",
+    )
 
 
 class RetryConfig(_Strict):
@@ -81,6 +95,12 @@ class RetryConfig(_Strict):
     min_retries_per_s: float = Field(default=10.0, ge=0)
     default_timeout_s: float = Field(default=30.0, gt=0)
     connect_timeout_s: float = Field(default=1.0, gt=0)
+    attempt_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="bound on one attempt within the request's deadline: a hung server is retried on "
+        "another one after this; only this bound expiring counts as the server's fault",
+    )
     timeout_header: str = "x-skewserve-timeout-ms"
 
 

@@ -104,9 +104,10 @@ class UpstreamServer:
         return bool(versions) and (not version or version in versions)  # type: ignore[operator]
 
     def score(self) -> float:
-        """Lower is better: expected wait if we add one more request (latency x queue)."""
+        """Lower is better: expected wait if we add one more request (latency x queue), scaled up by
+        recent consecutive failures, so a server that fails fast does not look like a fast server."""
         base = self.latency.mean if self.latency.samples else 1e-3
-        return base * (self.inflight + 1)
+        return base * (self.inflight + 1) * (1 + self.consecutive_failures)
 
     # -- calls --------------------------------------------------------------------------------
     async def http_request(
@@ -136,6 +137,7 @@ class UpstreamServer:
             "inflight": self.inflight,
             "ewma_latency_ms": round(self.latency.mean * 1000, 3),
             "p95_latency_ms": round(self.latency.p95() * 1000, 3),
+            "latency_samples": self.latency.samples,
             "probe_rtt_ms": round(self.probe_rtt.mean * 1000, 3),
             "consecutive_failures": self.consecutive_failures,
             "ejections": self.ejections,
