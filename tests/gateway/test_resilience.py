@@ -222,8 +222,8 @@ def test_a_server_killed_or_hung_under_load_costs_retries_not_failures(
     assert _retries(gw) > retries_before
     assert gw.server(name)["failures"] >= 1
     assert _IN_FLIGHT_EVIDENCE[fault, protocol] in gw.log_path.read_text()
-    if fault == "sigkill":
-        fragile_fleet["us-east"][0] = _restart_same_ports(victim, prepared_triton)
+    # A fresh victim either way: the Python backend does not always survive SIGSTOP + SIGCONT.
+    fragile_fleet["us-east"][0] = _restart_same_ports(victim, prepared_triton)
     wait_until(lambda: gw.server(name)["available"], timeout=60, what="re-admission of the victim")
 
 
