@@ -392,3 +392,32 @@ def test_a_cancelled_hedged_grpc_call_leaves_nothing_in_flight(hostile_fleet, ma
         # The client gave up: the primary must go too, not wait out the hedge delay and server.
         wait_until(lambda: gw.server("hung")["inflight"] == 0, timeout=10, what="no attempt in flight")
     assert gw.admin()["inflight"] == 0
+
+
+def test_a_sequence_request_is_never_retried_on_another_server(hostile_fleet, make_gateway, delayed) -> None:
+    fast, slow = hostile_fleet["us-east"]
+    cfg = gateway_config({}, upstream_protocol="http", retries={"attempt_timeout_s": 0.5})
+    cfg["regions"] = [
+        {
+            "name": "us-east",
+            "servers": [
+                {"name": "fast", "http": fast.http_address, "grpc": fast.grpc_address},
+                {"name": "hung", "http": slow.http_address, "grpc": delayed(slow.grpc_port, 60.0)},
+            ],
+        }
+    ]
+    gw = make_gateway(cfg)
+    outcomes: dict[int, str] = {}
+    for sequence in range(1, 13):
+        try:
+            outcomes[sequence] = raw_infer(gw.grpc, "lt_nocache", sequence_id=sequence)[1][
+                "x-skewserve-server"
+            ]
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+            assert "no response within 0.500s" in exc.details()
+            outcomes[sequence] = "failed"
+    # The sequences that hash to the hung server fail rather than move to a server without their
+    # state (until the hung server is ejected), and nothing was retried.
+    assert "failed" in outcomes.values() and "fast" in outcomes.values(), outcomes
+    assert counter(gw, "skewserve_gateway_retries_total", "lt_nocache") == 0
