@@ -103,6 +103,16 @@ class RetryConfig(_Strict):
     )
     timeout_header: str = "x-skewserve-timeout-ms"
 
+    @model_validator(mode="after")
+    def _attempt_within_default(self) -> RetryConfig:
+        if self.attempt_timeout_s > self.default_timeout_s:
+            raise ValueError(
+                f"retries.attempt_timeout_s ({self.attempt_timeout_s}) exceeds retries.default_timeout_s "
+                f"({self.default_timeout_s}): it would never bound an attempt, so a hung server would "
+                "never be retried; set attempt_timeout_s at most default_timeout_s"
+            )
+        return self
+
 
 class HedgingConfig(_Strict):
     models: list[str] = Field(default_factory=list, description="models opted in to hedging")

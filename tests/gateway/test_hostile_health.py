@@ -26,7 +26,11 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from gateway.config import HealthConfig
+from gateway.config import ConfigError, HealthConfig, ServerConfig, load_gateway_config
+from gateway.dispatch import check_version
+from gateway.errors import BadRequest
+from gateway.router import rendezvous
+from gateway.upstream import UpstreamServer
 from skewserve.ports import free_port
 from skewserve.triton_process import TritonServer
 from tests.gateway.conftest import GatewayUnderTest, gateway_config, start_fleet, stop_fleet, wait_until
@@ -421,3 +425,35 @@ def test_a_sequence_request_is_never_retried_on_another_server(hostile_fleet, ma
     # state (until the hung server is ejected), and nothing was retried.
     assert "failed" in outcomes.values() and "fast" in outcomes.values(), outcomes
     assert counter(gw, "skewserve_gateway_retries_total", "lt_nocache") == 0
+
+
+# -- pieces, with no network ---------------------------------------------------------------------
+
+
+def test_versions_must_be_whole_numbers_and_attempt_bounds_fit_the_default_deadline() -> None:
+    for good in ("", "0", "1", "12"):
+        check_version(good)
+    for bad in ("01", "x", "-1", "1.0", " 1", "１"):
+        with pytest.raises(BadRequest, match=f"got {bad!r}"):
+            check_version(bad)
+    with pytest.raises(
+        ConfigError, match=r"retries.attempt_timeout_s \(40.0\) exceeds retries.default_timeout_s"
+    ):
+        load_gateway_config(
+            None,
+            home_region="a",
+            regions=[{"name": "a", "servers": [{"name": "a0", "http": "h:1", "grpc": "h:2"}]}],
+            retries={"attempt_timeout_s": 40.0},
+        )
+
+
+def test_rendezvous_moves_only_the_sequences_of_a_server_that_leaves() -> None:
+    servers = [
+        UpstreamServer(ServerConfig(name=f"s{i}", http="127.0.0.1:1", grpc="127.0.0.1:2"), "a", 2.0, 1.0)
+        for i in range(4)
+    ]
+    before = {key: rendezvous(str(key), servers).name for key in range(400)}
+    assert set(before.values()) == {"s0", "s1", "s2", "s3"}
+    after = {key: rendezvous(str(key), servers[:3]).name for key in range(400)}
+    moved = {key for key in before if before[key] != after[key]}
+    assert moved == {key for key, name in before.items() if name == "s3"}
