@@ -104,10 +104,11 @@ class UpstreamServer:
         return bool(versions) and (not version or version in versions)  # type: ignore[operator]
 
     def score(self) -> float:
-        """Lower is better: expected wait if we add one more request (latency x queue), scaled up by
-        recent consecutive failures, so a server that fails fast does not look like a fast server."""
+        """Lower is better: expected wait if we add one more request (latency x queue), doubled per
+        consecutive failure (errors never enter the latency average), so a server that fails fast
+        soon looks worse than any slow server that answers."""
         base = self.latency.mean if self.latency.samples else 1e-3
-        return base * (self.inflight + 1) * (1 + self.consecutive_failures)
+        return base * (self.inflight + 1) * 2.0 ** min(self.consecutive_failures, 30)
 
     # -- calls --------------------------------------------------------------------------------
     async def http_request(

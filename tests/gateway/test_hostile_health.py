@@ -457,3 +457,29 @@ def test_rendezvous_moves_only_the_sequences_of_a_server_that_leaves() -> None:
     after = {key: rendezvous(str(key), servers[:3]).name for key in range(400)}
     moved = {key for key in before if before[key] != after[key]}
     assert moved == {key for key, name in before.items() if name == "s3"}
+
+
+def test_a_server_failing_fast_does_not_attract_traffic(
+    tmp_path: Path, prepared_triton: Any, make_gateway
+) -> None:
+    """`flaky` raises on one server and works (a little slower) on the other: P2C must not prefer
+    the fast failures. Ejection is kept out of the way to see the balancer alone."""
+    failing, working = tmp_path / "failing", tmp_path / "working"
+    write_python_model(failing, "flaky", BOOM_PY.replace('"boom:', '"flaky:'))
+    write_python_model(working, "flaky", SLOW_PY.format(sleep_s=0.005))
+    fleet = start_fleet(failing, {"us-east": 1}, tmp_path / "logs_failing", prepared_triton)
+    fleet["us-east"] += start_fleet(working, {"us-west": 1}, tmp_path / "logs_working", prepared_triton)[
+        "us-west"
+    ]
+    try:
+        health = {**DEFAULT_HEALTH, "eject_after_failures": 1000}
+        gw = make_gateway(gateway_config(fleet, health=health))
+        statuses = [post(gw.http, "flaky", BOOM_BODY)[0] for _ in range(60)]
+        by_server = {s["name"]: s["requests"] for s in gw.admin()["servers"]}
+        failing_name, working_name = (s.spec.name for s in fleet["us-east"])
+        assert statuses.count(500) == by_server[failing_name]
+        # A few tries until the failures outweigh the working server's latency (its first, cold
+        # answer included), then the working one only.
+        assert by_server[failing_name] <= 10 and by_server[working_name] >= 50, json.dumps(gw.admin())
+    finally:
+        stop_fleet(fleet)
