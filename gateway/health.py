@@ -45,6 +45,7 @@ class OutlierDetector:
     def failure(self, server: UpstreamServer, reason: str, now: float) -> None:
         server.consecutive_failures += 1
         server.failures += 1
+        server.last_failure_at = now
         if server.consecutive_failures >= self.cfg.eject_after_failures and not server.ejected(now):
             if self.may_eject(server, now):
                 self.eject(server, reason, now)

@@ -29,6 +29,7 @@ from tritonclient.utils import InferenceServerException
 from gateway.config import ConfigError, HealthConfig, ServerConfig, load_gateway_config
 from gateway.dispatch import check_version
 from gateway.errors import BadRequest
+from gateway.health import OutlierDetector
 from gateway.router import rendezvous
 from gateway.upstream import UpstreamServer
 from skewserve.ports import free_port
@@ -483,3 +484,17 @@ def test_a_server_failing_fast_does_not_attract_traffic(
         assert by_server[failing_name] <= 10 and by_server[working_name] >= 50, json.dumps(gw.admin())
     finally:
         stop_fleet(fleet)
+
+
+def test_recent_failures_weigh_on_the_p2c_score_and_fade() -> None:
+    now = [100.0]
+    server = UpstreamServer(
+        ServerConfig(name="s", http="127.0.0.1:1", grpc="127.0.0.1:2"), "a", 2.0, 1.0, lambda: now[0]
+    )
+    server.latency.observe(0.002, now[0])
+    detector = OutlierDetector(HealthConfig(eject_after_failures=1000))
+    for _ in range(3):
+        detector.failure(server, "server error: HTTP 500", now[0])
+    assert server.score() == pytest.approx(0.002 * 8)
+    now[0] += 10.0  # five EWMA time constants later, with no traffic: a chance again
+    assert server.score() == pytest.approx(0.002)
