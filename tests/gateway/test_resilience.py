@@ -178,15 +178,6 @@ def _retries(gw: GatewayUnderTest) -> float:
     )
 
 
-# What only a request in flight on the victim when it was signalled can have met.
-_IN_FLIGHT_EVIDENCE = {
-    ("sigkill", "http"): "connection closed before a response",
-    ("sigkill", "grpc"): "UNAVAILABLE",
-    ("sigstop", "http"): "no response within 10.000s",
-    ("sigstop", "grpc"): "no response within 10.000s",
-}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 @pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
@@ -201,29 +192,32 @@ def test_a_server_killed_or_hung_under_load_costs_retries_not_failures(
     name = victim.spec.name
     assert victim.pid is not None
     retries_before = _retries(gw)
-    with ConcurrentLoad(gw.http, gw.grpc, protocol, clients=16) as load:
-        wait_until(lambda: load.ok >= 32, timeout=60, what="the load to warm up")
-        # The `slow` model keeps several requests queued on each server: signal the victim as soon
-        # as the gateway shows one in flight there.
-        wait_until(lambda: gw.server(name)["inflight"] >= 2, timeout=30, what="requests on the victim")
-        os.killpg(victim.pid, signal.SIGKILL if fault == "sigkill" else signal.SIGSTOP)
-        try:
-            wait_until(
-                lambda: not gw.server(name)["available"] and gw.server(name)["inflight"] == 0,
-                timeout=60,
-                what="the victim out of rotation with none of its requests left waiting",
-            )
-            served = load.ok
-            wait_until(lambda: load.ok >= served + 32, timeout=60, what="the load to go on")
-        finally:
-            if fault == "sigstop":
-                os.killpg(victim.pid, signal.SIGCONT)
-    assert load.failures == [], load.failures[:5]
-    assert _retries(gw) > retries_before
-    assert gw.server(name)["failures"] >= 1
-    assert _IN_FLIGHT_EVIDENCE[fault, protocol] in gw.log_path.read_text()
-    # A fresh victim either way: the Python backend does not always survive SIGSTOP + SIGCONT.
-    fragile_fleet["us-east"][0] = _restart_same_ports(victim, prepared_triton)
+    try:
+        with ConcurrentLoad(gw.http, gw.grpc, protocol, clients=16) as load:
+            wait_until(lambda: load.ok >= 32, timeout=60, what="the load to warm up")
+            # The `slow` model (50 ms a request, one at a time) keeps requests queued on each server:
+            # with two in flight on the victim, one is still there when the signal lands.
+            wait_until(lambda: gw.server(name)["inflight"] >= 2, timeout=30, what="requests on the victim")
+            os.killpg(victim.pid, signal.SIGKILL if fault == "sigkill" else signal.SIGSTOP)
+            try:
+                wait_until(
+                    lambda: not gw.server(name)["available"] and gw.server(name)["inflight"] == 0,
+                    timeout=60,
+                    what="the victim out of rotation with none of its requests left waiting",
+                )
+                served = load.ok
+                wait_until(lambda: load.ok >= served + 32, timeout=60, what="the load to go on")
+            finally:
+                if fault == "sigstop":
+                    os.killpg(victim.pid, signal.SIGCONT)
+        assert load.failures == [], load.failures[:5]
+        assert _retries(gw) > retries_before
+        assert gw.server(name)["failures"] >= 2
+        if fault == "sigstop":  # only requests sent to the stopped server meet the attempt bound
+            assert "no response within 10.000s" in gw.log_path.read_text()
+    finally:
+        # A fresh victim either way: the Python backend does not always survive SIGSTOP + SIGCONT.
+        fragile_fleet["us-east"][0] = _restart_same_ports(victim, prepared_triton)
     wait_until(lambda: gw.server(name)["available"], timeout=60, what="re-admission of the victim")
 
 
