@@ -3,7 +3,8 @@
 A request goes to the gateway's home region. It spills over, nearest region first by measured
 probe round-trip time (or the configured rtt_ms), when the home region has no server with the
 model (and pinned version) ready, or when all its ready servers are saturated (in-flight at the
-configured bound). A pinned region (header / gRPC metadata) is honoured strictly; a region that
+configured bound), or when its only available servers are failing in a row (kept in rotation by
+`health.max_ejection_percent`). A pinned region (header / gRPC metadata) is honoured strictly; a region that
 does not exist is the client's error (400), not a missing server.
 
 Panic routing (Envoy's panic threshold): when no region has an available server with the model,
@@ -66,6 +67,7 @@ class RegionRouter:
         self.home = cfg.home_region
         self.max_inflight = cfg.routing.max_inflight_per_server
         self.panic_threshold = cfg.health.panic_threshold_percent
+        self.failing_after = cfg.health.eject_after_failures
         self.panic_routes = 0
         self.regions = {r.name: r for r in regions}
         self.balancers = balancers
@@ -98,6 +100,7 @@ class RegionRouter:
         else:
             order = self.region_order()
         fallback: tuple[Region, list[UpstreamServer]] | None = None
+        failing: tuple[Region, list[UpstreamServer]] | None = None
         for region in order:
             ready = [
                 s
@@ -108,14 +111,25 @@ class RegionRouter:
                 continue
             if sticky is not None:  # a sequence stays on its server whatever the load
                 return self._route(region, rendezvous(sticky, ready), pinned)
-            open_ = [s for s in ready if s.inflight < self.max_inflight]
+            # Servers failing in a row but kept in rotation by max_ejection_percent: a region with
+            # nothing else is passed over like a saturated one, so requests spill over rather than
+            # each spending a retry there.
+            working = [s for s in ready if s.consecutive_failures < self.failing_after]
+            if not working:
+                if failing is None:
+                    failing = (region, ready)
+                continue
+            open_ = [s for s in working if s.inflight < self.max_inflight]
             if open_:
                 return self._route(region, self.balancers[region.name].pick(open_), pinned)
             if fallback is None:
-                fallback = (region, ready)
+                fallback = (region, working)
         if fallback is not None:  # everyone saturated: queue at the nearest region with the model
             region, ready = fallback
             return self._route(region, min(ready, key=lambda s: s.inflight), pinned)
+        if failing is not None:  # only failing servers anywhere: they are still the best guess
+            region, ready = failing
+            return self._route(region, self.balancers[region.name].pick(ready), pinned)
         panic = self._panic_route(order, model, version, pinned, exclude, sticky, now)
         if panic is not None:
             return panic

@@ -228,10 +228,13 @@ def test_spill_over_to_the_other_region_when_home_is_down(
     gw = make_gateway(gateway_config(fragile_fleet))
     home = fragile_fleet["us-east"]
     with Load(gw.http, gw.grpc) as load:
-        time.sleep(0.5)
+        wait_until(lambda: len(load.regions) >= 5, timeout=30, what="the load to warm up")
         for s in home:
             _kill(s)
-        time.sleep(1.5)
+        killed = len(load.regions)
+        wait_until(
+            lambda: load.regions[killed:].count("eu-west") >= 20, timeout=60, what="answers from eu-west"
+        )
     assert load.failures == [], load.failures[:5]
     assert load.regions[-1] == "eu-west" and "us-east" in load.regions
     metrics = gw.metrics()
