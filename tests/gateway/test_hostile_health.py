@@ -26,11 +26,12 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from gateway.config import ConfigError, HealthConfig, ServerConfig, load_gateway_config
+from gateway.balancer import RoundRobinBalancer
+from gateway.config import ConfigError, GatewayConfig, HealthConfig, ServerConfig, load_gateway_config
 from gateway.dispatch import check_version
 from gateway.errors import BadRequest
 from gateway.health import OutlierDetector
-from gateway.router import rendezvous
+from gateway.router import Region, RegionRouter, rendezvous
 from gateway.upstream import UpstreamServer
 from skewserve.ports import free_port
 from skewserve.triton_process import TritonServer
@@ -498,3 +499,36 @@ def test_recent_failures_weigh_on_the_p2c_score_and_fade() -> None:
     assert server.score() == pytest.approx(0.002 * 8)
     now[0] += 10.0  # five EWMA time constants later, with no traffic: a chance again
     assert server.score() == pytest.approx(0.002)
+
+
+def test_capped_ejection_spills_over_and_panic_routes_to_ejected_servers() -> None:
+    now = [100.0]
+    cfg = GatewayConfig(
+        home_region="a",
+        regions=[
+            {"name": "a", "servers": [{"name": n, "http": "h:1", "grpc": "h:2"} for n in ("a0", "a1")]},
+            {"name": "b", "servers": [{"name": "b0", "http": "h:3", "grpc": "h:4"}]},
+        ],
+    )
+    servers = {}
+    for region in cfg.regions:
+        for sc in region.servers:
+            s = UpstreamServer(sc, region.name, 2.0, 1.0, lambda: now[0])
+            s.healthy, s.ready_models = True, {"m": {"1"}}
+            servers[sc.name] = s
+    a0, a1, b0 = servers["a0"], servers["a1"], servers["b0"]
+    regions = [Region("a", [a0, a1]), Region("b", [b0])]
+    router = RegionRouter(cfg, regions, {r.name: RoundRobinBalancer() for r in regions}, lambda: now[0])
+    detector = OutlierDetector(cfg.health, servers=list(servers.values()))
+    for _ in range(3):
+        detector.failure(a0, "down", now[0])
+        detector.failure(a1, "down", now[0])
+    assert a0.ejected(now[0]) and not a1.ejected(now[0])  # 50% of region a at most
+    assert detector.ejections_refused >= 1
+    assert router.route("m", "").server is b0  # a1 fails in a row: spill over instead
+    b0.healthy = False
+    assert router.route("m", "").server is a1  # nothing better anywhere: the failing one
+    a1.healthy = False
+    # No available server anywhere; region a is below the panic threshold: its ejected but
+    # healthy server first, rather than a 503.
+    assert router.route("m", "").server is a0 and router.panic_routes == 1
