@@ -125,6 +125,20 @@ class HealthConfig(_Strict):
     )
     base_ejection_s: float = Field(default=2.0, gt=0)
     max_ejection_s: float = Field(default=60.0, gt=0)
+    max_ejection_percent: float = Field(
+        default=50.0,
+        ge=0,
+        le=100,
+        description="most of a region's servers that may be ejected at once, in percent; one server "
+        "may always be ejected (Envoy's max_ejection_percent)",
+    )
+    panic_threshold_percent: float = Field(
+        default=50.0,
+        ge=0,
+        le=100,
+        description="when no region has an available server with the model, a region whose available "
+        "share is below this routes to its ejected, then unhealthy, servers rather than none; 0 disables",
+    )
 
 
 class RetryConfig(_Strict):
@@ -135,7 +149,23 @@ class RetryConfig(_Strict):
     min_retries_per_s: float = Field(default=10.0, ge=0)
     default_timeout_s: float = Field(default=30.0, gt=0)
     connect_timeout_s: float = Field(default=1.0, gt=0)
+    attempt_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="bound on one attempt within the request's deadline: a hung server is retried on "
+        "another one after this; only this bound expiring counts as the server's fault",
+    )
     timeout_header: str = "x-skewserve-timeout-ms"
+
+    @model_validator(mode="after")
+    def _attempt_within_default(self) -> RetryConfig:
+        if self.attempt_timeout_s > self.default_timeout_s:
+            raise ValueError(
+                f"retries.attempt_timeout_s ({self.attempt_timeout_s}) exceeds retries.default_timeout_s "
+                f"({self.default_timeout_s}): it would never bound an attempt, so a hung server would "
+                "never be retried; set attempt_timeout_s at most default_timeout_s"
+            )
+        return self
 
 
 class HedgingConfig(_Strict):

@@ -19,7 +19,7 @@ from gateway.cache import MemoryCache, RedisCache, ResponseCache
 from gateway.coalesce import Coalescer
 from gateway.config import GatewayConfig
 from gateway.discovery import Discovery
-from gateway.dispatch import Attempt, Dispatcher, Outcome
+from gateway.dispatch import Attempt, Dispatcher, Outcome, SequenceId
 from gateway.errors import NoReadyServer, Overloaded
 from gateway.health import HealthChecker, OutlierDetector
 from gateway.limits import RateLimiter
@@ -57,7 +57,7 @@ class Gateway:
             cfg, regions, {r.name: make_balancer(cfg.balancing.policy) for r in regions}, clock
         )
         self.servers = self.router.servers()
-        self.detector = OutlierDetector(cfg.health, on_eject=self.metrics.ejection)
+        self.detector = OutlierDetector(cfg.health, on_eject=self.metrics.ejection, servers=self.servers)
         self.health = HealthChecker(self.servers, cfg.health, cfg.upstream_protocol, self.detector, clock)
         self.dispatcher = Dispatcher(cfg, self.router, self.detector, self.metrics, clock)
         self.auth = Authenticator(cfg.auth, clock)
@@ -189,11 +189,22 @@ class Gateway:
 
     # -- sending ---------------------------------------------------------------------------------
     async def send(
-        self, model: str, version: str, pinned: str | None, deadline: float, attempt: Attempt[T]
+        self,
+        model: str,
+        version: str,
+        pinned: str | None,
+        deadline: float,
+        attempt: Attempt[T],
+        sequence_id: SequenceId = None,
     ) -> Outcome[T]:
-        """Route and send; an unknown model goes to any server so Triton answers in its own words."""
+        """Route and send; an unknown model goes to any server so Triton answers in its own words.
+
+        `sequence_id` (stateful models) keeps every request of a sequence on one server, unretried.
+        """
         try:
-            return await self.dispatcher.send(model, version, pinned, deadline, attempt)
+            return await self.dispatcher.send(
+                model, version, pinned, deadline, attempt, sequence_id=sequence_id
+            )
         except NoReadyServer:
             if pinned is None and not self.router.knows_model(model):
                 return await self.dispatcher.send(model, version, None, deadline, attempt, route_any=True)
@@ -258,6 +269,8 @@ class Gateway:
             "draining": self.draining,
             "inflight": self.inflight,
             "retry_budget_tokens": round(self.dispatcher.budget.tokens, 2),
+            "panic_routes": self.router.panic_routes,
+            "ejections_refused": self.detector.ejections_refused,
             "region_order": [r.name for r in self.router.region_order()],
             "skew_index": {r.name: round(r.skew_index(), 3) for r in self.router.regions.values()},
             "cache_bytes": self.cache.size_bytes() if self.cache is not None else 0,

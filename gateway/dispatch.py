@@ -5,6 +5,18 @@ timeouts), each time on a server not yet tried, within a retry budget and the re
 A request Triton rejected (bad shape, unknown input...) is never retried. The retry budget is a
 token bucket in the style of Finagle's RetryBudget: every request deposits `budget_ratio` tokens,
 a floor of `min_retries_per_s` accrues with time, and each retry or hedge withdraws one.
+
+Each attempt is bounded by `retries.attempt_timeout_s` within the request's deadline (Envoy's
+per_try_timeout), and that bound is what the server is told (the gRPC deadline; the HTTP front
+turns it into Triton's `timeout` parameter). What counts against a server's health: connection
+failures, the gateway's own attempt bound expiring, and server errors (HTTP 5xx, gRPC INTERNAL /
+UNAVAILABLE). A timeout caused by the client's own deadline is never the server's fault: it neither
+counts toward ejection nor enters the latency EWMA, so a client cannot take servers out of rotation
+or make them look fast by sending impossible deadlines. A server error's latency stays out of the
+EWMA too: a fast error must not attract traffic.
+
+Requests of a sequence (stateful models, `sequence_id`) go to one server chosen by the sequence id
+and are never retried elsewhere or hedged: another server does not hold the sequence's state.
 """
 
 from __future__ import annotations
@@ -15,15 +27,31 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 from gateway.config import GatewayConfig
-from gateway.errors import NoReadyServer, RetryableUpstream, UpstreamTimeout
+from gateway.errors import (
+    BadRequest,
+    NoReadyServer,
+    RetryableUpstream,
+    UpstreamRejected,
+    UpstreamTimeout,
+)
 from gateway.health import OutlierDetector
 from gateway.metrics import GatewayMetrics
 from gateway.router import RegionRouter, Route
 from gateway.upstream import UpstreamServer
+from gateway.upstream_http import HttpResponse
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Attempt = Callable[[UpstreamServer, float], Awaitable[T]]
+SequenceId = int | str | None
+
+
+def check_version(version: str) -> None:
+    """Triton model versions are non-negative integers; anything else can match no server."""
+    if version and not (version.isascii() and version.isdigit() and (version == "0" or version[0] != "0")):
+        raise BadRequest(
+            f"model version must be a whole number without leading zeros (e.g. 1), got {version!r}"
+        )
 
 
 class RetryBudget:
@@ -78,23 +106,42 @@ class Dispatcher:
         self.budget = RetryBudget(cfg.retries.budget_ratio, cfg.retries.min_retries_per_s, clock)
         self.hedged_models = set(cfg.hedging.models)
 
-    async def _timed(self, route: Route, attempt: Attempt[T], timeout_s: float, model: str) -> T:
+    async def _timed(self, route: Route, attempt: Attempt[T], deadline: float, model: str) -> T:
         server = route.server
+        started = self.clock()
+        remaining = deadline - started
+        own = self.cfg.retries.attempt_timeout_s
+        # Only the gateway's own bound expiring says anything about the server; when the request's
+        # deadline (the client's, or the default) is the tighter bound, a timeout is the client's.
+        own_bound = own < remaining
         server.inflight += 1
         server.requests += 1
-        started = self.clock()
         try:
-            value = await attempt(server, timeout_s)
+            value = await attempt(server, own if own_bound else remaining)
         except RetryableUpstream as exc:
             now = self.clock()
-            if isinstance(exc, UpstreamTimeout):
+            if not isinstance(exc, UpstreamTimeout):
+                self.detector.failure(server, exc.message, now)
+            elif own_bound:
                 server.latency.observe(now - started, now)  # a timeout is evidence of slowness too
-            self.detector.failure(server, exc.message, now)
+                self.detector.failure(server, exc.message, now)
+            raise
+        except UpstreamRejected as exc:
+            # Triton answered: with a server error (gRPC INTERNAL...) it is evidence against the
+            # server; a rejection of the client's input says nothing either way.
+            if exc.http_status >= 500:
+                self.detector.failure(server, f"server error: {exc.message}", self.clock())
             raise
         except asyncio.CancelledError:
             raise
         else:
             now = self.clock()
+            if isinstance(value, HttpResponse) and value.status >= 400:
+                # An error answer's latency is not the server's latency for real work: kept out of
+                # the EWMA so a fast error cannot attract traffic; 4xx is the client's, neutral.
+                if value.status >= 500:
+                    self.detector.failure(server, f"server error: HTTP {value.status}", now)
+                return value
             server.latency.observe(now - started, now)
             self.detector.success(server)
             self.metrics.upstream_latency(server, now - started)
@@ -110,12 +157,16 @@ class Dispatcher:
         deadline: float,
         attempt: Attempt[T],
         route_any: bool = False,
+        sequence_id: SequenceId = None,
     ) -> Outcome[T]:
         """Run `attempt` on chosen servers until one answers, the budget or deadline runs out."""
+        check_version(version)
         self.budget.deposit()
+        sticky = None if sequence_id in (None, 0, "") else str(sequence_id)
+        max_attempts = 1 if sticky is not None else self.cfg.retries.max_attempts
         tried: list[UpstreamServer] = []
         last: RetryableUpstream | None = None
-        for n in range(1, self.cfg.retries.max_attempts + 1):
+        for n in range(1, max_attempts + 1):
             remaining = deadline - self.clock()
             if remaining <= 0:
                 raise UpstreamTimeout(
@@ -125,7 +176,7 @@ class Dispatcher:
                 route = (
                     Route(self.router.any_server(tried), "", False)
                     if route_any
-                    else self.router.route(model, version, pinned, tried)
+                    else self.router.route(model, version, pinned, tried, sticky)
                 )
             except NoReadyServer:
                 if last is not None:
@@ -134,18 +185,16 @@ class Dispatcher:
             if route.spilled and n == 1:
                 self.metrics.spillover(self.router.home, route.region)
             try:
-                if model in self.hedged_models and not route_any:
-                    value, route = await self._hedged(
-                        route, attempt, remaining, model, version, pinned, tried
-                    )
+                if model in self.hedged_models and not route_any and sticky is None:
+                    value, route = await self._hedged(route, attempt, deadline, model, version, pinned, tried)
                 else:
-                    value = await self._timed(route, attempt, remaining, model)
+                    value = await self._timed(route, attempt, deadline, model)
                 return Outcome(value, route, n)
             except RetryableUpstream as exc:
                 last = exc
                 tried.append(route.server)
-                if n == self.cfg.retries.max_attempts:
-                    break
+                if n == max_attempts or self.clock() >= deadline:
+                    break  # the request's own deadline is spent: no retry could answer in time
                 if not self.budget.try_withdraw():
                     self.metrics.retry_budget_exhausted()
                     break
@@ -158,7 +207,7 @@ class Dispatcher:
         self,
         first: Route,
         attempt: Attempt[T],
-        remaining: float,
+        deadline: float,
         model: str,
         version: str,
         pinned: str | None,
@@ -170,30 +219,29 @@ class Dispatcher:
         class, here the lowest recent p95 among the servers, so a server that has become slow
         as a whole is hedged too (its own p95 would only say "slow is normal"). Before any server
         has 8 samples the floor `hedging.min_delay_ms` applies; the retry budget bounds the extra load.
-        Returns the first successful answer and the route that produced it.
+        Returns the first successful answer and the route that produced it. Whatever way this
+        returns or is cancelled (the client gave up), no copy is left running.
         """
         p95s = [s.latency.p95() for s in self.router.servers() if s.latency.samples >= 8]
         delay = max(self.cfg.hedging.min_delay_ms / 1000, min(p95s) if p95s else 0.0)
-        started = self.clock()
-        primary: asyncio.Future[T] = asyncio.ensure_future(self._timed(first, attempt, remaining, model))
-        done, _ = await asyncio.wait({primary}, timeout=min(delay, remaining))
-        if done:
-            return primary.result(), first
+        primary: asyncio.Future[T] = asyncio.ensure_future(self._timed(first, attempt, deadline, model))
+        pending: set[asyncio.Future[T]] = {primary}
         try:
-            second = self.router.route(model, version, pinned, [*tried, first.server])
-        except NoReadyServer:
-            return await primary, first
-        if not self.budget.try_withdraw():
-            self.metrics.retry_budget_exhausted()
-            return await primary, first
-        self.metrics.hedge(model)
-        backup: asyncio.Future[T] = asyncio.ensure_future(
-            self._timed(second, attempt, remaining - (self.clock() - started), model)
-        )
-        routes = {primary: first, backup: second}
-        pending: set[asyncio.Future[T]] = {primary, backup}
-        error: BaseException | None = None
-        try:
+            done, _ = await asyncio.wait({primary}, timeout=min(delay, deadline - self.clock()))
+            if done:
+                return primary.result(), first
+            try:
+                second = self.router.route(model, version, pinned, [*tried, first.server])
+            except NoReadyServer:
+                return await primary, first
+            if not self.budget.try_withdraw():
+                self.metrics.retry_budget_exhausted()
+                return await primary, first
+            self.metrics.hedge(model)
+            backup: asyncio.Future[T] = asyncio.ensure_future(self._timed(second, attempt, deadline, model))
+            routes = {primary: first, backup: second}
+            pending = {primary, backup}
+            error: BaseException | None = None
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:

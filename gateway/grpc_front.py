@@ -46,6 +46,24 @@ def _restamp(raw: bytes, request_id: str) -> bytes:
     return resp.SerializeToString()
 
 
+def _sequence_id(req: pb.ModelInferRequest) -> int | str | None:
+    """Triton's correlation id (`sequence_id`, an integer or a string); None when absent or 0/""."""
+    if "sequence_id" not in req.parameters:
+        return None
+    param = req.parameters["sequence_id"]
+    kind = param.WhichOneof("parameter_choice")
+    value: int | str | None = (
+        param.int64_param
+        if kind == "int64_param"
+        else param.uint64_param
+        if kind == "uint64_param"
+        else param.string_param
+        if kind == "string_param"
+        else None
+    )
+    return value or None
+
+
 class GrpcFront:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
@@ -248,6 +266,7 @@ class GrpcFront:
                             f"input {inp.name!r} has batch size {inp.shape[0]}, above the gateway limit of {self.max_batch}"
                         )
             timeout_us = req.parameters["timeout"].int64_param if "timeout" in req.parameters else None
+            sequence_id = _sequence_id(req)
             deadline = self._deadline(context, md, timeout_us)
             metadata = (("x-request-id", request_id),)
 
@@ -255,13 +274,15 @@ class GrpcFront:
                 return await server.grpc_call("ModelInfer", request, timeout_s, metadata)
 
             trailing = [("x-request-id", request_id)]
-            if gw.cache_enabled(model):
+            if gw.cache_enabled(model) and sequence_id is None:  # a sequence's answers depend on its state
                 raw, route, state = await self._cached(
                     req, model, version, md.get(self.region_key), deadline, attempt
                 )
                 trailing.append(("x-skewserve-cache", "hit" if state == "hit" else "miss"))
             else:
-                outcome = await gw.send(model, version, md.get(self.region_key), deadline, attempt)
+                outcome = await gw.send(
+                    model, version, md.get(self.region_key), deadline, attempt, sequence_id=sequence_id
+                )
                 raw, route = outcome.value, outcome.route
             if route is not None:
                 region, server_name = route.region, route.server.name

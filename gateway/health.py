@@ -5,6 +5,9 @@ ready (Triton's repository index), over gRPC or HTTP. A draining server (not rea
 model was unloaded gets no new requests for it. Passive: consecutive failures or timeouts on real
 traffic eject a server for base x 2^(ejections-1) seconds (capped), after which it is re-admitted;
 a success resets the failure count, and a clean probe after re-admission forgives past ejections.
+What counts as a failure is decided by the dispatcher (never a client's own deadline). At most
+`max_ejection_percent` of a region's servers are ejected at once (one always may be, as in Envoy):
+past that, failing servers stay in rotation with their failure count, and P2C scores them down.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tritonclient.grpc import service_pb2
 
@@ -26,10 +29,15 @@ logger = logging.getLogger(__name__)
 
 class OutlierDetector:
     def __init__(
-        self, cfg: HealthConfig, on_eject: Callable[[UpstreamServer, str], None] | None = None
+        self,
+        cfg: HealthConfig,
+        on_eject: Callable[[UpstreamServer, str], None] | None = None,
+        servers: Sequence[UpstreamServer] = (),
     ) -> None:
         self.cfg = cfg
         self.on_eject = on_eject
+        self.servers = servers
+        self.ejections_refused = 0
 
     def success(self, server: UpstreamServer) -> None:
         server.consecutive_failures = 0
@@ -37,8 +45,18 @@ class OutlierDetector:
     def failure(self, server: UpstreamServer, reason: str, now: float) -> None:
         server.consecutive_failures += 1
         server.failures += 1
+        server.last_failure_at = now
         if server.consecutive_failures >= self.cfg.eject_after_failures and not server.ejected(now):
-            self.eject(server, reason, now)
+            if self.may_eject(server, now):
+                self.eject(server, reason, now)
+            else:
+                self.ejections_refused += 1
+
+    def may_eject(self, server: UpstreamServer, now: float) -> bool:
+        """Whether ejecting `server` keeps its region within max_ejection_percent (one always may)."""
+        peers = [s for s in self.servers if s.region == server.region] or [server]
+        ejected = sum(1 for s in peers if s.ejected(now))
+        return ejected == 0 or (ejected + 1) * 100 <= self.cfg.max_ejection_percent * len(peers)
 
     def eject(self, server: UpstreamServer, reason: str, now: float) -> None:
         server.ejections += 1

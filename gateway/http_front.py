@@ -209,7 +209,9 @@ class HttpFront:
                 return await server.http_request(b"POST", path, data, headers, timeout_s)
 
             cache_state = None
-            if gw.cache_enabled(model):
+            # A sequence's answers depend on its server-side state: never cached, never moved.
+            sequence_id = request.sequence_id if request is not None and request.sticky else None
+            if gw.cache_enabled(model) and sequence_id is None:
                 assert request is not None  # the cache always parses
                 # One stored entry must serve every client: ask Triton for the identity encoding
                 # (HTTP lets a server ignore Accept-Encoding), so entries are never gzip bytes.
@@ -218,7 +220,7 @@ class HttpFront:
                     model, version, pinned, deadline, request, attempt
                 )
             else:
-                outcome = await gw.send(model, version, pinned, deadline, attempt)
+                outcome = await gw.send(model, version, pinned, deadline, attempt, sequence_id=sequence_id)
                 resp, route = outcome.value, outcome.route
             if route is not None:
                 route_region, route_server = route.region, route.server.name

@@ -86,6 +86,7 @@ class UpstreamServer:
         self.ready_models: dict[str, set[str]] = {}
         self.known_models: set[str] = set()
         self.consecutive_failures = 0
+        self.last_failure_at = 0.0
         self.ejections = 0
         self.ejected_until = 0.0
         self.history: deque[EjectionEvent] = deque(maxlen=20)
@@ -104,9 +105,16 @@ class UpstreamServer:
         return bool(versions) and (not version or version in versions)  # type: ignore[operator]
 
     def score(self) -> float:
-        """Lower is better: expected wait if we add one more request (latency x queue)."""
+        """Lower is better: expected wait if we add one more request (latency x queue), doubled per
+        consecutive failure (errors never enter the latency average), so a server that fails fast
+        soon looks worse than any slow server that answers."""
         base = self.latency.mean if self.latency.samples else 1e-3
-        return base * (self.inflight + 1)
+        score = base * (self.inflight + 1)
+        # Only recent failures weigh: a server left alone after failing gets traffic again later,
+        # rather than waiting forever for the success that would clear its count.
+        if self.consecutive_failures and self.clock() - self.last_failure_at < 5 * self.latency.decay_s:
+            score *= 2.0 ** min(self.consecutive_failures, 30)
+        return score
 
     # -- calls --------------------------------------------------------------------------------
     async def http_request(
@@ -136,6 +144,7 @@ class UpstreamServer:
             "inflight": self.inflight,
             "ewma_latency_ms": round(self.latency.mean * 1000, 3),
             "p95_latency_ms": round(self.latency.p95() * 1000, 3),
+            "latency_samples": self.latency.samples,
             "probe_rtt_ms": round(self.probe_rtt.mean * 1000, 3),
             "consecutive_failures": self.consecutive_failures,
             "ejections": self.ejections,

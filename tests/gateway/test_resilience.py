@@ -1,9 +1,13 @@
-"""Failures under load with real servers: kill, eject, re-admit, spill over, drain."""
+"""Failures under load with real servers: kill, hang, eject, re-admit, spill over, drain.
+
+No durations are asserted: each test waits, bounded, on state the gateway shows (admin, metrics).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -16,17 +20,20 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from gateway.config import HealthConfig, RetryConfig
 from skewserve.triton_process import TritonServer, TritonServerSpec
-from tests.gateway.conftest import gateway_config, start_fleet, stop_fleet, wait_until
+from tests.gateway.conftest import GatewayUnderTest, gateway_config, start_fleet, stop_fleet, wait_until
+from tests.gateway.test_hostile_health import BOOM_BODY, hostile_repo
 
 X = np.random.default_rng(9).standard_normal((2, 8)).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
 def fragile_fleet(gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton):
-    f = start_fleet(
-        gateway_repo, {"us-east": 2, "eu-west": 1}, tmp_path_factory.mktemp("fragile"), prepared_triton
-    )
+    # The exported models, plus `slow` (50 ms a request) that keeps requests in flight on each server.
+    repo = hostile_repo(gateway_repo, tmp_path_factory.mktemp("fragile_repo"))
+    shutil.copytree(gateway_repo / "lt", repo / "lt")
+    f = start_fleet(repo, {"us-east": 2, "eu-west": 1}, tmp_path_factory.mktemp("fragile"), prepared_triton)
     yield f
     stop_fleet(f)
 
@@ -110,34 +117,108 @@ def _restart_same_ports(server: TritonServer, prepared) -> TritonServer:
             time.sleep(0.5)
 
 
-@pytest.mark.slow
-def test_killed_server_under_load_fails_no_request_is_ejected_and_readmitted(
-    fragile_fleet, make_gateway, prepared_triton
-) -> None:
-    gw = make_gateway(gateway_config(fragile_fleet))
-    victim = fragile_fleet["us-east"][0]
-    with Load(gw.http, gw.grpc) as load:
-        time.sleep(1.0)
-        before = load.ok
-        _kill(victim)
-        killed_at = time.monotonic()
-        wait_until(
-            lambda: not gw.server(victim.spec.name)["available"],
-            timeout=5,
-            what="the dead server to leave rotation",
-        )
-        out_after = time.monotonic() - killed_at
-        time.sleep(1.0)
-    assert load.failures == [], load.failures[:5]
-    assert load.ok > before > 0
-    assert out_after < 1.0, f"dead server still in rotation {out_after:.2f}s after the kill"
-    state = gw.server(victim.spec.name)
-    assert state["ejections"] >= 1 or not state["healthy"]
+class ConcurrentLoad:
+    """`clients` threads of one protocol sending the `slow` model until stopped; failures are kept."""
 
-    fragile_fleet["us-east"][0] = _restart_same_ports(victim, prepared_triton)
-    wait_until(
-        lambda: gw.server(victim.spec.name)["available"], timeout=20, what="re-admission after restart"
+    def __init__(self, http: str, grpc_address: str, protocol: str, clients: int = 16) -> None:
+        self.ok = 0
+        self.failures: list[str] = []
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        target = self._http if protocol == "http" else self._grpc
+        address = http if protocol == "http" else grpc_address
+        self.threads = [threading.Thread(target=target, args=(address,)) for _ in range(clients)]
+
+    def _done(self, failure: str | None) -> None:
+        with self.lock:
+            if failure is None:
+                self.ok += 1
+            else:
+                self.failures.append(failure)
+
+    def _http(self, address: str) -> None:
+        while not self.stop.is_set():
+            try:
+                # Longer than the default attempt bound (10 s): a hung server's requests are retried.
+                req = urllib.request.Request(f"http://{address}/v2/models/slow/infer", data=BOOM_BODY)
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    assert json.loads(r.read())["outputs"][0]["data"] == [1.0, 2.0, 3.0, 4.0]
+                self._done(None)
+            except Exception as exc:
+                self._done(f"http: {exc!r}")
+
+    def _grpc(self, address: str) -> None:
+        client = grpcclient.InferenceServerClient(address)
+        inp = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+        inp.set_data_from_numpy(np.array([[1.0, 2.0, 3.0, 4.0]], np.float32))
+        while not self.stop.is_set():
+            try:
+                out = client.infer("slow", [inp], client_timeout=120).as_numpy("OUTPUT0")
+                assert out.tolist() == [[1.0, 2.0, 3.0, 4.0]]
+                self._done(None)
+            except Exception as exc:
+                self._done(f"grpc: {exc!r}")
+
+    def __enter__(self) -> ConcurrentLoad:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(180)
+
+
+def _retries(gw: GatewayUnderTest) -> float:
+    return sum(
+        float(line.split()[-1])
+        for line in gw.metrics().splitlines()
+        if line.startswith("skewserve_gateway_retries_total{")
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
+def test_a_server_killed_or_hung_under_load_costs_retries_not_failures(
+    fragile_fleet, make_gateway, prepared_triton, fault: str, protocol: str
+) -> None:
+    # The default health and retry settings: what a deployment gets without tuning.
+    gw = make_gateway(
+        gateway_config(fragile_fleet, health=HealthConfig().model_dump(), retries=RetryConfig().model_dump())
+    )
+    victim = fragile_fleet["us-east"][0]
+    name = victim.spec.name
+    assert victim.pid is not None
+    retries_before = _retries(gw)
+    try:
+        with ConcurrentLoad(gw.http, gw.grpc, protocol, clients=16) as load:
+            wait_until(lambda: load.ok >= 32, timeout=60, what="the load to warm up")
+            # The `slow` model (50 ms a request, one at a time) keeps requests queued on each server:
+            # with two in flight on the victim, one is still there when the signal lands.
+            wait_until(lambda: gw.server(name)["inflight"] >= 2, timeout=30, what="requests on the victim")
+            os.killpg(victim.pid, signal.SIGKILL if fault == "sigkill" else signal.SIGSTOP)
+            try:
+                wait_until(
+                    lambda: not gw.server(name)["available"] and gw.server(name)["inflight"] == 0,
+                    timeout=60,
+                    what="the victim out of rotation with none of its requests left waiting",
+                )
+                served = load.ok
+                wait_until(lambda: load.ok >= served + 32, timeout=60, what="the load to go on")
+            finally:
+                if fault == "sigstop":
+                    os.killpg(victim.pid, signal.SIGCONT)
+        assert load.failures == [], load.failures[:5]
+        assert _retries(gw) > retries_before
+        assert gw.server(name)["failures"] >= 2
+        if fault == "sigstop":  # only requests sent to the stopped server meet the attempt bound
+            assert "no response within 10.000s" in gw.log_path.read_text()
+    finally:
+        # A fresh victim either way: the Python backend does not always survive SIGSTOP + SIGCONT.
+        fragile_fleet["us-east"][0] = _restart_same_ports(victim, prepared_triton)
+    wait_until(lambda: gw.server(name)["available"], timeout=60, what="re-admission of the victim")
 
 
 @pytest.mark.slow
@@ -147,14 +228,15 @@ def test_spill_over_to_the_other_region_when_home_is_down(
     gw = make_gateway(gateway_config(fragile_fleet))
     home = fragile_fleet["us-east"]
     with Load(gw.http, gw.grpc) as load:
-        wait_until(lambda: "us-east" in load.regions, what="home-region traffic before the kill")
+        wait_until(lambda: len(load.regions) >= 5, timeout=30, what="the load to warm up")
         for s in home:
             _kill(s)
-        wait_until(lambda: "eu-west" in load.regions, timeout=30, what="traffic to spill over to eu-west")
-        spilled = len(load.regions)
-        wait_until(lambda: len(load.regions) >= spilled + 10, timeout=30, what="ten more answers")
+        killed = len(load.regions)
+        wait_until(
+            lambda: load.regions[killed:].count("eu-west") >= 20, timeout=60, what="answers from eu-west"
+        )
     assert load.failures == [], load.failures[:5]
-    assert set(load.regions[spilled:]) == {"eu-west"}  # once spilled, every answer from the other region
+    assert load.regions[-1] == "eu-west" and "us-east" in load.regions
     metrics = gw.metrics()
     assert 'skewserve_gateway_spillovers_total{from_region="us-east",to_region="eu-west"}' in metrics
     for i, s in enumerate(home):

@@ -17,7 +17,7 @@ from gateway.balancer import P2CEwmaBalancer, RoundRobinBalancer
 from gateway.cache import Coalescer, MemoryCache, cache_key
 from gateway.config import ConfigError, GatewayConfig, HealthConfig, ServerConfig, load_gateway_config
 from gateway.dispatch import RetryBudget
-from gateway.errors import NoReadyServer, PermissionDenied, RateLimited, Unauthenticated
+from gateway.errors import BadRequest, NoReadyServer, PermissionDenied, RateLimited, Unauthenticated
 from gateway.health import OutlierDetector
 from gateway.router import Region, RegionRouter
 from gateway.upstream import UpstreamServer
@@ -91,7 +91,7 @@ def test_router_prefers_home_then_nearest_region_and_counts_saturation() -> None
     assert router.route("m", "", pinned="b").server.name == "b0"
     with pytest.raises(NoReadyServer, match="no server in region 'a' has model 'm' ready"):
         router.route("m", "", pinned="a")
-    with pytest.raises(NoReadyServer, match="pinned region 'z' does not exist"):
+    with pytest.raises(BadRequest, match="pinned region 'z' does not exist"):
         router.route("m", "", pinned="z")
     with pytest.raises(NoReadyServer, match="no server in any region has model 'm' version 7 ready"):
         router.route("m", "7")
