@@ -91,6 +91,9 @@ $(TOOLS)/bin/pip-compile:
 lock: | $(TOOLS)/bin/pip-compile
 	CUSTOM_COMPILE_COMMAND="make lock" $(TOOLS)/bin/pip-compile --quiet --extra dev --generate-hashes --allow-unsafe --strip-extras \
 	  --no-emit-index-url --no-emit-find-links $(LOCK_ARGS) --output-file $(LOCK) pyproject.toml requirements.in
+	# The `dev` extra names the project's own extras (skewserve[all]), so pip-compile lists the project
+	# itself as `skewserve @ file://...`: drop it (it is installed editable, and cannot be hashed).
+	$(TOOLS)/bin/python -c 'import re,sys; p=sys.argv[1]; s=open(p).read(); s=re.sub(r"(# WARNING: pip install will require[^\n]*\n# Consider[^\n]*\n)?skewserve @ file:[^\n]*\n(    #[^\n]*\n)*", "", s); open(p,"w").write(s)' $(LOCK)
 
 lock-upgrade:
 	$(MAKE) lock LOCK_ARGS=--upgrade
