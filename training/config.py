@@ -41,6 +41,11 @@ class TrainConfig(BaseModel):
     lr: float = Field(default=3e-3, gt=0)
     weight_decay: float = Field(default=1e-4, ge=0)
     warmup_fraction: float = Field(default=0.05, ge=0, lt=1)
+    input_noise: float = Field(
+        default=0.0,
+        ge=0,
+        description="Gaussian noise added to training inputs, in units of each feature's std",
+    )
     grad_clip: float | None = Field(default=1.0, gt=0)
     precision: PrecisionChoice = Field(
         default="auto",

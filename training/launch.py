@@ -70,8 +70,10 @@ def train(cfg: TrainConfig, log_path: Path | None = None) -> dict[str, Any]:
         config_path = cfg.out_dir / "train_config.json"
         _write_atomically(config_path, cfg.model_dump_json(indent=2))
         env = dict(os.environ)
-        threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.nproc)
-        env["OMP_NUM_THREADS"] = str(threads)
+        if cfg.threads_per_rank:
+            env["OMP_NUM_THREADS"] = str(cfg.threads_per_rank)
+        else:  # a user's OMP_NUM_THREADS wins over the even split of this node's cores
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
         with contextlib.ExitStack() as stack:
             log = stack.enter_context(open(log_path, "w")) if log_path is not None else None
             proc = subprocess.run(

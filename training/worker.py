@@ -146,7 +146,9 @@ class Trainer:
         activate(self.placement)  # before the process group: NCCL binds to the current device
         self.device = self.placement.device
         self.rank, self.world = _init_distributed(cfg, self.placement)
-        torch.set_num_threads(cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.nproc))
+        # An explicit OMP_NUM_THREADS (the launcher's or the user's) wins over the per-node split.
+        omp = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        torch.set_num_threads(cfg.threads_per_rank or omp or max(1, (os.cpu_count() or 1) // cfg.nproc))
         self.data: TabularDataset = load_data_dir(cfg.data_dir, cfg.label_column)
         train = self.data.train
         self.counts = self.data.class_counts
@@ -296,6 +298,9 @@ class Trainer:
         index = torch.from_numpy(idx)
         xb = to_device(self.x.index_select(0, index), self.placement)
         yb = to_device(self.y.index_select(0, index), self.placement)
+        if self.cfg.input_noise > 0:
+            # Noise in standardised units smooths the boundary around a rare class's few rows.
+            xb = xb + self.cfg.input_noise * self.model.feature_std * torch.randn_like(xb)
         clock.mark("batch_ready")
         with autocast(self.placement):
             logits = self.ddp(xb)
