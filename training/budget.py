@@ -75,6 +75,19 @@ def resolve_budget(cfg: TrainConfig, steps_per_epoch: int, n_val: int) -> StepBu
     )
 
 
+def resolve_input_noise(cfg: TrainConfig, n_rows: int, n_features: int) -> float:
+    """Input-noise std (in feature stds): the config's value, or min(1, 2 * sqrt(features / rows)).
+
+    Training with Gaussian input noise is equivalent to a Tikhonov (ridge-like) penalty (Bishop 1995,
+    "Training with noise is equivalent to Tikhonov regularization"); as for ridge, the strength that
+    fits scales with features / rows. On a long tail it matters most for the rare classes: their few
+    rows become small clouds instead of points the network can fence in.
+    """
+    if cfg.input_noise != "auto":
+        return float(cfg.input_noise)
+    return float(min(1.0, 2.0 * math.sqrt(n_features / max(1, n_rows))))
+
+
 class SmoothedEarlyStopping:
     """Tracks an EMA of the validation metric; says when it improved and when to stop."""
 

@@ -41,10 +41,10 @@ class TrainConfig(BaseModel):
     lr: float = Field(default=3e-3, gt=0)
     weight_decay: float = Field(default=1e-4, ge=0)
     warmup_fraction: float = Field(default=0.05, ge=0, lt=1)
-    input_noise: float = Field(
-        default=0.0,
-        ge=0,
-        description="Gaussian noise added to training inputs, in units of each feature's std",
+    input_noise: float | Literal["auto"] = Field(
+        default="auto",
+        description="std of Gaussian noise added to training inputs, in units of each feature's std; "
+        "auto: min(1, 2 * sqrt(features / training rows)), strong on small data, near 0 on large",
     )
     grad_clip: float | None = Field(default=1.0, gt=0)
     precision: PrecisionChoice = Field(
@@ -103,6 +103,8 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"slow_rank {self.slow_rank} does not exist with {where}; use 0..{self.world_size - 1}"
             )
+        if isinstance(self.input_noise, float) and self.input_noise < 0:
+            raise ValueError(f"input_noise must be >= 0 or 'auto', got {self.input_noise}")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(
                 f"nnodes={self.nnodes} needs rdzv_endpoint (host:port of the rendezvous on one node); "

@@ -29,7 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from training.artifact import FORMAT_VERSION, write_artifact
-from training.budget import SmoothedEarlyStopping, resolve_budget
+from training.budget import SmoothedEarlyStopping, resolve_budget, resolve_input_noise
 from training.checkpoint import load_newest_checkpoint, save_checkpoint
 from training.config import TrainConfig
 from training.data import Split, TabularDataset, load_data_dir
@@ -72,6 +72,8 @@ RESUME_KEYS = (
     "max_steps",
     "min_steps",
     "budget_epochs",
+    "input_noise",
+    "weight_decay",
     "nnodes",
 )
 
@@ -189,8 +191,9 @@ class Trainer:
             self.steps_per_epoch = max(1, math.ceil(self.sampler.per_rank / self.local_batch))
         self.budget = resolve_budget(cfg, self.steps_per_epoch, len(self.data.val))
         self.early_stop = SmoothedEarlyStopping(self.budget)
+        self.input_noise = resolve_input_noise(cfg, len(train), train.features.shape[1])
         if self.rank == 0:
-            logger.info("budget: %s", self.budget.reason)
+            logger.info("budget: %s; input noise %.3f", self.budget.reason, self.input_noise)
         total_steps = self.budget.total_steps
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -298,9 +301,9 @@ class Trainer:
         index = torch.from_numpy(idx)
         xb = to_device(self.x.index_select(0, index), self.placement)
         yb = to_device(self.y.index_select(0, index), self.placement)
-        if self.cfg.input_noise > 0:
+        if self.input_noise > 0:
             # Noise in standardised units smooths the boundary around a rare class's few rows.
-            xb = xb + self.cfg.input_noise * self.model.feature_std * torch.randn_like(xb)
+            xb = xb + self.input_noise * self.model.feature_std * torch.randn_like(xb)
         clock.mark("batch_ready")
         with autocast(self.placement):
             logits = self.ddp(xb)
@@ -431,6 +434,7 @@ class Trainer:
             "epochs_run": len(epochs),
             "steps_run": len(epochs) * self.steps_per_epoch,
             "budget": self.budget.reason,
+            "input_noise": round(self.input_noise, 4),
             "best_epoch": self.best_epoch,
             "mean_epoch_wall_s": float(np.mean([e["wall_s"] for e in epochs])) if epochs else 0.0,
             "mean_imbalance_ratio": float(np.mean([e["imbalance_ratio"] for e in epochs])) if epochs else 1.0,
