@@ -227,6 +227,11 @@ def train_command(
         None, "--max-steps", min=1, help="Optimizer-step budget (default: max(--min-steps, 30 epochs))."
     ),
     min_steps: int = typer.Option(1000, "--min-steps", min=1, help="Floor of the automatic step budget."),
+    input_noise: str = typer.Option(
+        "auto",
+        "--input-noise",
+        help="Gaussian input noise in feature stds; auto: min(1.5, 3*sqrt(features/rows)).",
+    ),
     checkpoint_every_steps: int = typer.Option(
         25, "--checkpoint-every-steps", min=1, help="Checkpoint at the first epoch end after this many steps."
     ),
@@ -283,6 +288,7 @@ def train_command(
             max_steps=max_steps,
             min_steps=min_steps,
             checkpoint_every_steps=checkpoint_every_steps,
+            input_noise=input_noise,  # type: ignore[arg-type]  # "auto" or a number, pydantic validates
             global_batch_size=batch_size,
             lr=lr,
             width=width,

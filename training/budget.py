@@ -76,7 +76,7 @@ def resolve_budget(cfg: TrainConfig, steps_per_epoch: int, n_val: int) -> StepBu
 
 
 def resolve_input_noise(cfg: TrainConfig, n_rows: int, n_features: int) -> float:
-    """Input-noise std (in feature stds): the config's value, or min(1, 2 * sqrt(features / rows)).
+    """Input-noise std (in feature stds): the config's value, or min(1.5, 3 * sqrt(features / rows)).
 
     Training with Gaussian input noise is equivalent to a Tikhonov (ridge-like) penalty (Bishop 1995,
     "Training with noise is equivalent to Tikhonov regularization"); as for ridge, the strength that
@@ -85,7 +85,7 @@ def resolve_input_noise(cfg: TrainConfig, n_rows: int, n_features: int) -> float
     """
     if cfg.input_noise != "auto":
         return float(cfg.input_noise)
-    return float(min(1.0, 2.0 * math.sqrt(n_features / max(1, n_rows))))
+    return float(min(1.5, 3.0 * math.sqrt(n_features / max(1, n_rows))))
 
 
 class SmoothedEarlyStopping:

@@ -39,12 +39,16 @@ class TrainConfig(BaseModel):
     budget_epochs: int = Field(default=30, ge=1, description="passes over the data in the automatic budget")
     global_batch_size: int = Field(default=256, ge=1)
     lr: float = Field(default=3e-3, gt=0)
-    weight_decay: float = Field(default=1e-4, ge=0)
+    weight_decay: float = Field(
+        default=1.0,
+        ge=0,
+        description="AdamW's decoupled decay: each step shrinks weights by lr * weight_decay",
+    )
     warmup_fraction: float = Field(default=0.05, ge=0, lt=1)
     input_noise: float | Literal["auto"] = Field(
         default="auto",
         description="std of Gaussian noise added to training inputs, in units of each feature's std; "
-        "auto: min(1, 2 * sqrt(features / training rows)), strong on small data, near 0 on large",
+        "auto: min(1.5, 3 * sqrt(features / training rows)), strong on small data, near 0 on large",
     )
     grad_clip: float | None = Field(default=1.0, gt=0)
     precision: PrecisionChoice = Field(
