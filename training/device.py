@@ -141,10 +141,18 @@ def grad_scaler(placement: Placement) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(placement.device_type, enabled=placement.grad_scaler)
 
 
-def host_tensor(array: Any, placement: Placement) -> torch.Tensor:
-    """A host tensor for batch gathering, page-locked when batches go to a GPU."""
-    t = torch.as_tensor(array)
-    return t.pin_memory() if placement.pin_memory else t
+def gather_batch(source: torch.Tensor, index: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """Rows `index` of a host tensor, on the plan's device.
+
+    On CUDA the rows are gathered straight into page-locked memory (torch's caching host allocator
+    reuses it safely across steps), so the host-to-device copy runs asynchronously (non_blocking)
+    without pinning the whole data set.
+    """
+    if placement.device_type == "cpu":
+        return source.index_select(0, index)
+    staged = torch.empty((len(index), *source.shape[1:]), dtype=source.dtype, pin_memory=placement.pin_memory)
+    torch.index_select(source, 0, index, out=staged)
+    return staged.to(placement.device, non_blocking=True)
 
 
 def to_device(batch: torch.Tensor, placement: Placement) -> torch.Tensor:

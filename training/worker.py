@@ -38,12 +38,11 @@ from training.device import (
     StepClock,
     activate,
     autocast,
+    gather_batch,
     grad_scaler,
     host_capabilities,
-    host_tensor,
     plan_placement,
     step_clock,
-    to_device,
 )
 from training.errors import CheckpointError
 from training.losses import SkewLoss
@@ -204,8 +203,8 @@ class Trainer:
             cfg.checkpoint_dir, self.rank, self.world, len(self.data.classes), device=self.device
         )
         # Batches are gathered on the host, then copied (pinned, non_blocking on CUDA) to the device.
-        self.x = host_tensor(np.array(train.features, copy=True), self.placement)
-        self.y = host_tensor(np.array(train.labels, copy=True), self.placement)
+        self.x = torch.from_numpy(np.array(train.features, copy=True))
+        self.y = torch.from_numpy(np.array(train.labels, copy=True))
         self.start_epoch = 0
         self.resumed_from_epoch: int | None = None
         self.best_bacc = -1.0
@@ -299,8 +298,8 @@ class Trainer:
         clock = self.clock
         clock.start()
         index = torch.from_numpy(idx)
-        xb = to_device(self.x.index_select(0, index), self.placement)
-        yb = to_device(self.y.index_select(0, index), self.placement)
+        xb = gather_batch(self.x, index, self.placement)
+        yb = gather_batch(self.y, index, self.placement)
         if self.input_noise > 0:
             # Noise in standardised units smooths the boundary around a rare class's few rows.
             xb = xb + self.input_noise * self.model.feature_std * torch.randn_like(xb)

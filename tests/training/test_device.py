@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,9 +14,9 @@ from training.device import (
     Placement,
     WallClock,
     autocast,
+    gather_batch,
     grad_scaler,
     host_capabilities,
-    host_tensor,
     plan_placement,
     step_clock,
     to_device,
@@ -103,8 +102,9 @@ def test_bad_local_rank_is_refused(raw: str) -> None:
 
 def test_cpu_helpers_follow_the_plan() -> None:
     plan = plan_placement({}, CPU_HOST, precision="bf16")
-    x = host_tensor(np.ones((4, 3), dtype=np.float32), plan)
-    assert not x.is_pinned() and to_device(x, plan) is x
+    source = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    x = gather_batch(source, torch.tensor([3, 1]), plan)
+    assert torch.equal(x, source[[3, 1]]) and to_device(x, plan) is x
     with autocast(plan):
         y = torch.nn.functional.linear(x, torch.ones(2, 3))
     assert y.dtype == torch.bfloat16
@@ -170,10 +170,11 @@ def test_cuda_event_clock_measures_device_time_not_launch_time() -> None:
 @needs_cuda
 def test_cuda_batches_move_pinned_and_autocast_is_active() -> None:
     plan = plan_placement({"LOCAL_RANK": "0"}, host_capabilities())
-    x = host_tensor(np.ones((8, 3), dtype=np.float32), plan)
-    assert x.is_pinned()
-    moved = to_device(x.index_select(0, torch.arange(4)), plan)
-    assert moved.device == plan.device
+    source = torch.arange(24, dtype=torch.float32).reshape(8, 3)
+    moved = gather_batch(source, torch.tensor([5, 0, 2]), plan)
+    assert moved.device == plan.device and torch.equal(moved.cpu(), source[[5, 0, 2]])
+    pinned = to_device(source, plan)
+    assert pinned.device == plan.device
     with autocast(plan):
         y = torch.nn.functional.linear(moved, torch.ones(2, 3, device=plan.device))
     assert y.dtype == plan.autocast_dtype
