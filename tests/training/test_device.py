@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,3 +180,31 @@ def test_cuda_batches_move_pinned_and_autocast_is_active() -> None:
         y = torch.nn.functional.linear(moved, torch.ones(2, 3, device=plan.device))
     assert y.dtype == plan.autocast_dtype
     assert grad_scaler(plan).is_enabled() == (plan.precision == "fp16")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_one_rank_trains_on_cuda_and_records_it(small_data: Path, tmp_path: Path, precision: str) -> None:
+    from training.config import TrainConfig
+    from training.launch import train
+
+    cfg = TrainConfig(
+        data_dir=small_data,
+        out_dir=tmp_path / precision,
+        device="cuda",
+        precision=precision,  # type: ignore[arg-type]
+        max_steps=60,
+        progress=False,
+    )
+    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        with pytest.raises(ConfigError, match="precision bf16 is not supported by this GPU"):
+            train(cfg)
+        return
+    meta = train(cfg)
+    prov = meta["provenance"]
+    assert (prov["device"], prov["precision"]) == ("cuda", precision)
+    assert prov["device_name"] == torch.cuda.get_device_name(0)
+    assert meta["metrics"]["test"]["balanced_accuracy"] > 1 / len(meta["classes"])  # it learned
+    weights = torch.load(tmp_path / precision / "model.pt", weights_only=True)
+    assert all(t.device.type == "cpu" for t in weights.values())  # the artifact holds CPU weights
