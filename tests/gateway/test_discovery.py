@@ -172,7 +172,9 @@ def test_servers_join_and_leave_through_dns_under_load_with_zero_failed_requests
 def test_region_needs_servers_or_discovery_and_a_nameserver_is_host_port(tmp_path: Path) -> None:
     from gateway.config import ConfigError, load_gateway_config
 
-    with pytest.raises(ConfigError, match=r"region 'a' needs servers or discover \(a DNS name\)"):
+    with pytest.raises(
+        ConfigError, match=r"region 'a' needs servers or discover \(a DNS name or Kubernetes EndpointSlices\)"
+    ):
         load_gateway_config(None, home_region="a", regions=[{"name": "a"}])
     with pytest.raises(
         ConfigError, match=r"regions\.0\.discover\.nameserver: '10\.0\.0\.1' is not host:port"
