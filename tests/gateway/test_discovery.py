@@ -1,4 +1,5 @@
-"""Servers discovered from DNS (a real DNS server on loopback), added and removed under load."""
+"""Servers discovered from DNS (a real DNS server on loopback) and from Kubernetes EndpointSlices
+(a real HTTP server on loopback speaking the API server's list/watch), added and removed under load."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from skewserve.ports import free_port, port_is_free
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
 from tests.gateway.conftest import launch_gateway, wait_until
+from tests.gateway.kube_api import KubeApi, endpoint
+from tests.gateway.steady_load import SteadyLoad
 
 NAME = "triton.skewserve.test."
 
@@ -184,3 +187,198 @@ def test_region_needs_servers_or_discovery_and_a_nameserver_is_host_port(tmp_pat
             home_region="a",
             regions=[{"name": "a", "discover": {"dns_name": "t", "nameserver": "10.0.0.1"}}],
         )
+
+
+def _pods(
+    repo: Path, prepared: PreparedTriton, hosts: list[str], logs: Path
+) -> tuple[dict[str, TritonServer], tuple[int, int, int]]:
+    ports = _shared_ports(hosts)
+    servers = {
+        h: TritonServer(
+            TritonServerSpec(
+                repository=repo,
+                name=f"pod-{h}",
+                host=h,
+                http_port=ports[0],
+                grpc_port=ports[1],
+                metrics_port=ports[2],
+            ),
+            logs,
+            prepared,
+        )
+        for h in hosts
+    }
+    return servers, ports
+
+
+def test_servers_follow_endpointslices_under_load_with_zero_failed_requests(
+    gateway_repo: Path, prepared_triton: PreparedTriton, tmp_path: Path
+) -> None:
+    """Add a pod (not ready, then ready), make the first terminating, then delete its slice: the
+    gateway follows the watch stream and no client request fails."""
+    hosts = ["127.0.0.4", "127.0.0.5"]
+    servers, (http_port, grpc_port, _) = _pods(gateway_repo, prepared_triton, hosts, tmp_path / "logs")
+    first, second = hosts
+    ports = {"http": http_port, "grpc": grpc_port, "metrics": http_port + 2}
+    token = tmp_path / "token"
+    token.write_text("test-service-account-token\n")
+    api = KubeApi("test-service-account-token")
+    api.put("triton-a", [endpoint(first)], ports)
+    api.put("other-svc", [endpoint("127.0.0.9")], ports, service="redis")  # another Service: ignored
+    servers[first].start()
+    cfg = {
+        "home_region": "local",
+        "listen": {"host": "127.0.0.1", "http_port": free_port(), "grpc_port": free_port(), "ops_port": 0},
+        "health": {"interval_s": 0.2, "timeout_s": 1.0},
+        "cache": {"backend": "none"},
+        "drain": {"grace_s": 0.2, "timeout_s": 5},
+        "regions": [
+            {
+                "name": "local",
+                # The ports come from the slices' named ports, not these (nothing listens there).
+                "discover": {
+                    "http_port": 1,
+                    "grpc_port": 2,
+                    "interval_s": 0.2,
+                    "endpointslices": {
+                        "service": "triton",
+                        "namespace": "skewserve",
+                        "api_url": api.url,
+                        "token_file": str(token),
+                        "ca_file": None,
+                        "watch_timeout_s": 77,
+                    },
+                },
+            }
+        ],
+    }
+    gw = launch_gateway(cfg, tmp_path / "gw")
+    load = SteadyLoad(gw.http)
+
+    def listed() -> dict[str, dict]:
+        return {s["name"]: s for s in gw.admin()["servers"]}
+
+    def labelled(server: str) -> bool:
+        return f'server="{server}"' in gw.metrics()
+
+    a, b = f"local/{first}", f"local/{second}"
+    try:
+        wait_until(lambda: listed().get(a, {}).get("available", False), 30, "the first endpoint")
+        assert set(listed()) == {a}  # the other Service's endpoint is not ours
+        load.start()
+        wait_until(lambda: load.served(a) > 20, 30, "traffic through the first endpoint")
+
+        servers[second].start()
+        api.put("triton-b", [endpoint(second, ready=False)], ports)  # a pod starting: not ready yet
+        wait_until(lambda: len(api.watches) >= 1 and api.version == 103, 10, "the watch")
+        served = load.served(a)
+        wait_until(lambda: load.served(a) > served + 20, 30, "traffic while the new pod is not ready")
+        assert b not in listed() and load.served(b) == 0
+        api.put("triton-b", [endpoint(second, ready=True)], ports)  # MODIFIED: ready
+        wait_until(lambda: load.served(b) > 20, 30, "traffic on the new endpoint")
+
+        # The first pod terminates: not ready but still serving; the second is ready, so it drains.
+        api.put("triton-a", [endpoint(first, ready=False, serving=True, terminating=True)], ports)
+        wait_until(
+            lambda: a not in listed() and gw.admin()["servers_draining"] == 0, 30, "the first draining"
+        )
+        servers[first].stop()  # only then does the pod's process end
+        api.delete("triton-a")
+        served = load.served(b)
+        wait_until(lambda: load.served(b) > served + 50, 30, "traffic after removal")
+        assert not labelled(a)  # the departed server's metric labels left /metrics with it
+        assert labelled(b)
+    finally:
+        load.stop()
+        gw.stop()
+        api.close()
+        for s in servers.values():
+            s.stop()
+    assert load.failed == [] and load.ok > 100
+    assert api.lists == 1 and api.unauthorized == 0  # listed once, then followed the watch stream
+    assert api.watches[0]["timeoutSeconds"] == "77" and api.watches[0]["allowWatchBookmarks"] == "true"
+    assert api.watches[0]["labelSelector"] == "kubernetes.io/service-name=triton"
+
+
+def test_endpointslice_watch_relists_after_410_and_refuses_a_wrong_token(
+    gateway_repo: Path, prepared_triton: PreparedTriton, tmp_path: Path
+) -> None:
+    """A compacted resourceVersion (410 Gone) makes the gateway list again; a token the API server
+    refuses changes nothing, and the rotated token file is read on the next attempt."""
+    (host,) = hosts = ["127.0.0.6"]
+    servers, (http_port, grpc_port, _) = _pods(gateway_repo, prepared_triton, hosts, tmp_path / "logs")
+    ports = {"http": http_port, "grpc": grpc_port}
+    token = tmp_path / "token"
+    token.write_text("stale-token")
+    api = KubeApi("fresh-token")
+    api.put("triton-a", [endpoint(host)], ports)
+    servers[host].start()
+    cfg = {
+        "home_region": "local",
+        "listen": {"host": "127.0.0.1", "http_port": free_port(), "grpc_port": free_port(), "ops_port": 0},
+        "health": {"interval_s": 0.2, "timeout_s": 1.0},
+        "cache": {"backend": "none"},
+        "regions": [
+            {
+                "name": "local",
+                "discover": {
+                    "interval_s": 0.2,
+                    "endpointslices": {
+                        "service": "triton",
+                        "namespace": "skewserve",
+                        "api_url": api.url,
+                        "token_file": str(token),
+                        "ca_file": None,
+                    },
+                },
+            }
+        ],
+    }
+    gw = launch_gateway(cfg, tmp_path / "gw")
+    try:
+        wait_until(lambda: api.unauthorized >= 2, 30, "refused lists")
+        assert gw.admin()["servers"] == [] and "HTTP 401" in gw.log_path.read_text()
+        token.write_text("fresh-token")  # kubelet rotated the projected token
+        wait_until(lambda: [s["name"] for s in gw.admin()["servers"]] == [f"local/{host}"], 30, "listed")
+        lists = api.lists
+        # The change comes with a compaction: the watch's version is gone, the next watch gets 410,
+        # and the change arrives by a new list.
+        api.put("triton-a", [endpoint(host, ready=False)], ports, compact=True)
+        wait_until(lambda: api.lists > lists, 30, "a re-list after 410")
+        wait_until(lambda: gw.admin()["servers"] == [], 30, "the not-ready endpoint leaving")
+        assert (
+            "re-listing EndpointSlices for local: watch: too old resource version" in gw.log_path.read_text()
+        )
+    finally:
+        gw.stop()
+        api.close()
+        for s in servers.values():
+            s.stop()
+
+
+def test_usable_endpoints_follow_endpoint_conditions() -> None:
+    """Ready (or unset) and not terminating are used; terminating-but-serving only when nothing is ready."""
+    from gateway.discovery import Endpoint
+    from gateway.discovery_k8s import usable_endpoints
+
+    ports = [{"name": "http", "port": 9000}, {"name": "grpc", "port": 9001}]
+    slices = {
+        "a": {
+            "ports": ports,
+            "endpoints": [
+                endpoint("10.0.0.1"),
+                endpoint("10.0.0.2", ready=None),
+                endpoint("10.0.0.3", ready=False),
+                endpoint("10.0.0.4", ready=False, serving=True, terminating=True),
+                {"addresses": [], "conditions": {"ready": True}},
+            ],
+        }
+    }
+    assert usable_endpoints(slices, "http", "grpc", 1, 2) == {
+        Endpoint("10.0.0.1", 9000, 9001),
+        Endpoint("10.0.0.2", 9000, 9001),
+    }
+    slices["a"]["endpoints"] = slices["a"]["endpoints"][2:]
+    assert usable_endpoints(slices, "http", "grpc", 1, 2) == {Endpoint("10.0.0.4", 9000, 9001)}
+    slices["a"]["ports"] = []  # unnamed ports: the configured ones
+    assert usable_endpoints(slices, "http", "grpc", 1, 2) == {Endpoint("10.0.0.4", 1, 2)}
