@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
+import subprocess
 import threading
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -34,8 +37,9 @@ def endpoint(
 class KubeApi:
     """The API server, on its own event loop in a thread; the test mutates slices from its thread."""
 
-    def __init__(self, token: str, namespace: str = "skewserve") -> None:
+    def __init__(self, token: str, namespace: str = "skewserve", tls: ssl.SSLContext | None = None) -> None:
         self.token = token
+        self.tls = tls
         self.namespace = namespace
         self.slices: dict[str, dict[str, Any]] = {}
         self.events: list[tuple[int, str, dict[str, Any]]] = []
@@ -59,7 +63,7 @@ class KubeApi:
         app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", self._handle)
         self.runner = web.AppRunner(app)
         self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", 0, ssl_context=self.tls)
         self.loop.run_until_complete(site.start())
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         started.set()
@@ -67,7 +71,7 @@ class KubeApi:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     # -- mutations (from the test's thread) ------------------------------------------------------
     def _call(self, fn: Any, *args: Any) -> Any:
@@ -198,3 +202,51 @@ class KubeApi:
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def make_tls(folder: Path) -> tuple[Path, ssl.SSLContext]:
+    """A CA and a certificate for 127.0.0.1 signed by it (openssl): the CA file and the server context."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, csr, cert = (folder / n for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt"))
+    ext = folder / "san.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for cmd in (
+        [
+            "openssl",
+            "req",
+            "-x509",
+            *ec,
+            "-keyout",
+            ca_key,
+            "-out",
+            ca,
+            "-days",
+            "1",
+            "-subj",
+            "/CN=test-cluster-ca",
+        ],
+        ["openssl", "req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=kube-apiserver"],
+        [
+            "openssl",
+            "x509",
+            "-req",
+            "-in",
+            csr,
+            "-CA",
+            ca,
+            "-CAkey",
+            ca_key,
+            "-CAcreateserial",
+            "-out",
+            cert,
+            "-days",
+            "1",
+            "-extfile",
+            ext,
+        ],
+    ):
+        subprocess.run([str(c) for c in cmd], check=True, capture_output=True)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return ca, context

@@ -20,8 +20,8 @@ import pytest
 from skewserve.ports import free_port, port_is_free
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
-from tests.gateway.conftest import launch_gateway, wait_until
-from tests.gateway.kube_api import KubeApi, endpoint
+from tests.gateway.conftest import GatewayUnderTest, launch_gateway, wait_until
+from tests.gateway.kube_api import KubeApi, endpoint, make_tls
 from tests.gateway.steady_load import SteadyLoad
 
 NAME = "triton.skewserve.test."
@@ -382,3 +382,74 @@ def test_usable_endpoints_follow_endpoint_conditions() -> None:
     assert usable_endpoints(slices, "http", "grpc", 1, 2) == {Endpoint("10.0.0.4", 9000, 9001)}
     slices["a"]["ports"] = []  # unnamed ports: the configured ones
     assert usable_endpoints(slices, "http", "grpc", 1, 2) == {Endpoint("10.0.0.4", 1, 2)}
+
+
+def test_endpointslices_in_cluster_over_https_verify_the_api_server_with_the_ca_file(tmp_path: Path) -> None:
+    """api_url unset: the API server comes from KUBERNETES_SERVICE_HOST/PORT, over https verified
+    with `ca_file`; a gateway given another CA refuses the server and lists nothing."""
+    ca, tls = make_tls(tmp_path / "tls")
+    other_ca, _ = make_tls(tmp_path / "other")
+    token = tmp_path / "token"
+    token.write_text("t0ken")
+    api = KubeApi("t0ken", tls=tls)
+    api.put("triton-a", [endpoint("127.0.0.7")], {"http": 1, "grpc": 2})  # listed; nothing listens
+
+    def gateway(ca_file: Path, workdir: str) -> GatewayUnderTest:
+        cfg = {
+            "home_region": "local",
+            "listen": {
+                "host": "127.0.0.1",
+                "http_port": free_port(),
+                "grpc_port": free_port(),
+                "ops_port": 0,
+            },
+            "health": {"interval_s": 0.2, "timeout_s": 0.5},
+            "cache": {"backend": "none"},
+            "regions": [
+                {
+                    "name": "local",
+                    "discover": {
+                        "interval_s": 0.2,
+                        "endpointslices": {
+                            "service": "triton",
+                            "namespace": "skewserve",
+                            "token_file": str(token),
+                            "ca_file": str(ca_file),
+                        },
+                    },
+                }
+            ],
+        }
+        env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
+        return launch_gateway(cfg, tmp_path / workdir, env)
+
+    trusting = gateway(ca, "trusting")
+    distrusting = gateway(other_ca, "distrusting")
+    try:
+        names = lambda gw: [s["name"] for s in gw.admin()["servers"]]  # noqa: E731
+        wait_until(lambda: names(trusting) == ["local/127.0.0.7"], 30, "the endpoint listed over https")
+        wait_until(lambda: "CERTIFICATE_VERIFY_FAILED" in distrusting.log_path.read_text(), 30, "the refusal")
+        assert names(distrusting) == [] and api.lists == 1
+    finally:
+        trusting.stop()
+        distrusting.stop()
+        api.close()
+
+
+def test_discover_needs_exactly_one_source() -> None:
+    from gateway.config import ConfigError, load_gateway_config
+
+    for discover in ({"http_port": 8000}, {"dns_name": "t", "endpointslices": {"service": "triton"}}):
+        with pytest.raises(
+            ConfigError,
+            match=r"regions\.0\.discover: discover needs exactly one source: dns_name .* or endpointslices",
+        ):
+            load_gateway_config(None, home_region="a", regions=[{"name": "a", "discover": discover}])
+    with pytest.raises(
+        ConfigError, match=r"discover\.endpointslices\.api_url: 'ftp://x' is not an http\(s\) URL"
+    ):
+        load_gateway_config(
+            None,
+            home_region="a",
+            regions=[{"name": "a", "discover": {"endpointslices": {"service": "t", "api_url": "ftp://x"}}}],
+        )
