@@ -152,7 +152,11 @@ class Gateway:
         """Probe `server`, then put it in routing (a request reaches it once a probe said ready).
 
         False (and the server closed) when its region left the fleet during the probe."""
-        await self.health.probe(server)
+        try:
+            await self.health.probe(server)
+        except asyncio.CancelledError:  # discovery reconfigured or stopped mid-probe: nothing leaks
+            await server.close()
+            raise
         region = self.router.regions.get(server.region)
         if region is None:
             await server.close()

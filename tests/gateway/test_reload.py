@@ -16,6 +16,7 @@ from skewserve.ports import free_port
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
 from tests.gateway.conftest import GatewayUnderTest, launch_gateway, start_fleet, stop_fleet, wait_until
+from tests.gateway.kube_api import KubeApi, endpoint
 from tests.gateway.steady_load import SteadyLoad
 
 
@@ -167,3 +168,85 @@ def test_file_change_reloads_and_server_metric_labels_stay_bounded_as_servers_ch
         load.stop()
         gw.stop()
     assert load.failed == []
+
+
+def test_sighup_adds_a_discovered_region_moves_home_and_removes_the_old_region_under_load(
+    pair: list[TritonServer], tmp_path: Path
+) -> None:
+    """Regions change live too, discovered ones included: a new region found through EndpointSlices
+    becomes home, the old region leaves, then the new one's discovery is replaced by a static list."""
+    a, b = pair
+    token = tmp_path / "token"
+    token.write_text("reload-token")
+    api = KubeApi("reload-token")
+    host, http_port = b.http_address.rsplit(":", 1)
+    api.put(
+        "triton-far",
+        [endpoint(host)],
+        {"http": int(http_port), "grpc": int(b.grpc_address.rsplit(":", 1)[1])},
+    )
+    cfg = _config({"a": a})
+    gw = launch_gateway(cfg, tmp_path)
+    load = SteadyLoad(gw.http)
+    discovered = f"far/{host}"
+    far: dict[str, Any] = {
+        "name": "far",
+        "discover": {
+            "interval_s": 0.2,
+            "endpointslices": {
+                "service": "triton",
+                "namespace": "skewserve",
+                "api_url": api.url,
+                "token_file": str(token),
+                "ca_file": None,
+            },
+        },
+    }
+
+    def reload_to(new: dict[str, Any], applied: int) -> None:
+        _rewrite(gw, new)
+        gw.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: _reloads(gw)["applied"] == applied, 30, f"reload {applied}")
+
+    def regions() -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for s in gw.admin()["servers"]:
+            out.setdefault(s["region"], set()).add(s["name"])
+        return out
+
+    try:
+        wait_until(lambda: gw.server("a")["available"], 30, "server a")
+        load.start()
+        wait_until(lambda: load.served("a") > 20, 30, "traffic on a")
+
+        two = copy.deepcopy(cfg)
+        two["regions"].append(far)
+        two["home_region"] = "far"
+        reload_to(two, 1)
+        wait_until(lambda: load.served(discovered) > 20, 30, "traffic in the new home region")
+        assert gw.admin()["home_region"] == "far" and regions() == {"local": {"a"}, "far": {discovered}}
+
+        one = copy.deepcopy(two)
+        one["regions"] = [far]
+        reload_to(one, 2)
+        wait_until(
+            lambda: regions() == {"far": {discovered}} and gw.admin()["servers_draining"] == 0, 30, "local"
+        )
+        served_a, served = load.served("a"), load.served(discovered)
+        wait_until(lambda: load.served(discovered) > served + 50, 30, "traffic after the region left")
+        assert load.served("a") == served_a
+
+        static = copy.deepcopy(one)  # discovery off: the discovered server drains, a static one joins
+        static["regions"] = [
+            {"name": "far", "servers": [{"name": "b", "http": b.http_address, "grpc": b.grpc_address}]}
+        ]
+        reload_to(static, 3)
+        wait_until(
+            lambda: regions() == {"far": {"b"}} and gw.admin()["servers_draining"] == 0, 30, "static b"
+        )
+        wait_until(lambda: load.served("b") > 50, 30, "traffic on the static server")
+    finally:
+        load.stop()
+        gw.stop()
+        api.close()
+    assert load.failed == [] and api.lists == 1 and api.unauthorized == 0
