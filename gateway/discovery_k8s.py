@@ -221,7 +221,12 @@ class EndpointSliceSource(DiscoverySource):
             try:
                 if self.resource_version is None:
                     await self.list_slices()
+                events = self.events
                 await self.watch()  # returns when the server ends the watch: renew from the same version
+                if self.events == events:
+                    # Ended with nothing (not even a bookmark): pause rather than spin on a server
+                    # that closes watches at once; resuming from the version loses no change.
+                    await asyncio.sleep(min(self.cfg.interval_s, 1.0))
             except _Expired as exc:
                 logger.info("re-listing EndpointSlices for %s: %s", self.region.region, exc)
                 self.resource_version = None

@@ -74,6 +74,7 @@ def _shared_ports(hosts: list[str]) -> tuple[int, int, int]:
     raise AssertionError("no common free ports on the loopback addresses")
 
 
+@pytest.mark.slow
 def test_servers_join_and_leave_through_dns_under_load_with_zero_failed_requests(
     gateway_repo: Path, prepared_triton: PreparedTriton, loopback_dns: LoopbackDns, tmp_path: Path
 ) -> None:
@@ -211,6 +212,7 @@ def _pods(
     return servers, ports
 
 
+@pytest.mark.slow
 def test_servers_follow_endpointslices_under_load_with_zero_failed_requests(
     gateway_repo: Path, prepared_triton: PreparedTriton, tmp_path: Path
 ) -> None:
@@ -300,6 +302,7 @@ def test_servers_follow_endpointslices_under_load_with_zero_failed_requests(
     assert api.watches[0]["labelSelector"] == "kubernetes.io/service-name=triton"
 
 
+@pytest.mark.slow
 def test_endpointslice_watch_relists_after_410_and_refuses_a_wrong_token(
     gateway_repo: Path, prepared_triton: PreparedTriton, tmp_path: Path
 ) -> None:

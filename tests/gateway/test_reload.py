@@ -19,6 +19,8 @@ from tests.gateway.conftest import GatewayUnderTest, launch_gateway, start_fleet
 from tests.gateway.kube_api import KubeApi, endpoint
 from tests.gateway.steady_load import SteadyLoad
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def pair(
