@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -22,6 +23,7 @@ class SteadyLoad:
         self.lock = threading.Lock()
         self.by_server: Counter[str] = Counter()
         self.failed: list[str] = []
+        self.log: list[tuple[float, str]] = []  # (when the request was sent, server that answered)
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
 
     @property
@@ -33,8 +35,14 @@ class SteadyLoad:
         with self.lock:
             return self.by_server[server]
 
+    def served_since(self, server: str, t: float) -> int:
+        """Requests sent at or after `t` (time.monotonic) that `server` answered."""
+        with self.lock:
+            return sum(1 for sent, s in self.log if sent >= t and s == server)
+
     def _run(self) -> None:
         while not self.stop_event.is_set():
+            sent = time.monotonic()
             req = urllib.request.Request(self.url, data=BODY, headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=10) as r:
@@ -42,6 +50,7 @@ class SteadyLoad:
                     server = r.headers.get("x-skewserve-server", "")
                 with self.lock:
                     self.by_server[server] += 1
+                    self.log.append((sent, server))
             except (urllib.error.URLError, OSError) as exc:
                 with self.lock:
                     self.failed.append(repr(exc))

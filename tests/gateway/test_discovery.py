@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -284,10 +285,12 @@ def test_servers_follow_endpointslices_under_load_with_zero_failed_requests(
         wait_until(
             lambda: a not in listed() and gw.admin()["servers_draining"] == 0, 30, "the first draining"
         )
+        removed_at = time.monotonic()
         servers[first].stop()  # only then does the pod's process end
         api.delete("triton-a")
         served = load.served(b)
         wait_until(lambda: load.served(b) > served + 50, 30, "traffic after removal")
+        assert load.served_since(a, removed_at) == 0
         assert not labelled(a)  # the departed server's metric labels left /metrics with it
         assert labelled(b)
     finally:
