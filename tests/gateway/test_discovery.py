@@ -459,3 +459,31 @@ def test_discover_needs_exactly_one_source() -> None:
             home_region="a",
             regions=[{"name": "a", "discover": {"endpointslices": {"service": "t", "api_url": "ftp://x"}}}],
         )
+
+
+def test_a_departed_servers_metric_labels_are_removed_and_late_requests_fold() -> None:
+    from gateway.metrics import DEPARTED_SERVER, GatewayMetrics
+
+    class Server:
+        region, name = "r", "r/10.0.0.1"
+
+    m = GatewayMetrics()
+    m.server_joined("r", "r/10.0.0.1")
+    m.server_joined("r", "r/10.0.0.2")
+    m.request("lt", "r", "r/10.0.0.1", "http", "200", 0.01)
+    m.upstream_latency(Server(), 0.01)
+    m.ejection(Server(), "test")
+    m.request("lt", "r", "r/10.0.0.2", "http", "200", 0.01)
+    assert 'server="r/10.0.0.1"' in m.render().decode()
+    m.server_left("r", "r/10.0.0.1")
+    text = m.render().decode()
+    assert 'server="r/10.0.0.1"' not in text and 'server="r/10.0.0.2"' in text
+    m.request("lt", "r", "r/10.0.0.1", "http", "200", 0.01)  # finished after it left
+    text = m.render().decode()
+    assert 'server="r/10.0.0.1"' not in text and f'server="{DEPARTED_SERVER}"' in text
+    # A name held twice (an old server draining while a new one of its name joined) stays until both left.
+    m.server_joined("r", "r/10.0.0.2")
+    m.server_left("r", "r/10.0.0.2")
+    assert 'server="r/10.0.0.2"' in m.render().decode()
+    m.server_left("r", "r/10.0.0.2")
+    assert 'server="r/10.0.0.2"' not in m.render().decode()

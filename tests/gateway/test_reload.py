@@ -239,11 +239,19 @@ def test_sighup_adds_a_discovered_region_moves_home_and_removes_the_old_region_u
         wait_until(lambda: load.served(discovered) > served + 50, 30, "traffic after the region left")
         assert load.served_since("a", removed_at) == 0
 
-        static = copy.deepcopy(one)  # discovery off: the discovered server drains, a static one joins
+        # New discovery settings: a new watch whose first report keeps the same server (no drain).
+        retuned = copy.deepcopy(one)
+        retuned["regions"][0]["discover"]["interval_s"] = 0.3
+        before = gw.server(discovered)["requests"]
+        reload_to(retuned, 3)
+        wait_until(lambda: api.lists == 2, 30, "the new watch's list")
+        assert gw.admin()["servers_draining"] == 0 and gw.server(discovered)["requests"] >= before
+
+        static = copy.deepcopy(retuned)  # discovery off: the discovered server drains, a static one joins
         static["regions"] = [
             {"name": "far", "servers": [{"name": "b", "http": b.http_address, "grpc": b.grpc_address}]}
         ]
-        reload_to(static, 3)
+        reload_to(static, 4)
         wait_until(
             lambda: regions() == {"far": {"b"}} and gw.admin()["servers_draining"] == 0, 30, "static b"
         )
@@ -252,4 +260,4 @@ def test_sighup_adds_a_discovered_region_moves_home_and_removes_the_old_region_u
         load.stop()
         gw.stop()
         api.close()
-    assert load.failed == [] and api.lists == 1 and api.unauthorized == 0
+    assert load.failed == [] and api.lists == 2 and api.unauthorized == 0
