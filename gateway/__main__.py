@@ -24,7 +24,7 @@ def main() -> None:
         sys.exit(2)
     configure_logging(cfg.log_json, cfg.log_level.upper())
     try:
-        run(cfg, args.ready_file)
+        run(cfg, args.ready_file, args.config)
     except ListenError as exc:  # a taken port: one line naming the port and its field, no traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -38,15 +38,61 @@ class ServerConfig(_Strict):
         return v
 
 
-class DiscoveryConfig(_Strict):
-    """Servers found from DNS: every A record of `dns_name` (a headless Service) is one server."""
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
-    dns_name: str = Field(
-        min_length=1, description="name to resolve, e.g. triton.skewserve.svc.cluster.local"
+
+class EndpointSliceConfig(_Strict):
+    """Servers from the Kubernetes API: the ready endpoints of a Service's EndpointSlices, watched."""
+
+    service: str = Field(min_length=1, description="Service whose EndpointSlices list the Triton pods")
+    namespace: str | None = Field(
+        default=None, description="namespace of the Service; unset = the gateway pod's own namespace"
+    )
+    api_url: str | None = Field(
+        default=None,
+        description="Kubernetes API server URL; unset = https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT",
+    )
+    token_file: str = Field(
+        default=f"{SERVICE_ACCOUNT_DIR}/token",
+        description="service-account bearer token, re-read on every (re)list so rotated tokens work",
+    )
+    ca_file: str | None = Field(
+        default=f"{SERVICE_ACCOUNT_DIR}/ca.crt",
+        description="CA bundle verifying the API server (https); unset = the system's trust store",
+    )
+    http_port_name: str = Field(
+        default="http", description="EndpointSlice port name of Triton HTTP; absent = discover.http_port"
+    )
+    grpc_port_name: str = Field(
+        default="grpc", description="EndpointSlice port name of Triton gRPC; absent = discover.grpc_port"
+    )
+    watch_timeout_s: int = Field(
+        default=300, ge=1, description="server-side bound on one watch request; then it is renewed"
+    )
+
+    @field_validator("api_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError(f"{v!r} is not an http(s) URL (e.g. https://10.96.0.1:443)")
+        return v.rstrip("/") if v is not None else v
+
+
+class DiscoveryConfig(_Strict):
+    """Servers found dynamically: every A record of `dns_name` (a headless Service), or every ready
+    endpoint of a Service's EndpointSlices (`endpointslices`), is one server."""
+
+    dns_name: str | None = Field(
+        default=None, min_length=1, description="name to resolve, e.g. triton.skewserve.svc.cluster.local"
+    )
+    endpointslices: EndpointSliceConfig | None = Field(
+        default=None, description="watch the Kubernetes API instead of DNS (in a cluster; needs RBAC)"
     )
     http_port: int = Field(default=8000, gt=0, lt=65536, description="Triton HTTP port on each address")
     grpc_port: int = Field(default=8001, gt=0, lt=65536, description="Triton gRPC port on each address")
-    interval_s: float = Field(default=5.0, gt=0, description="re-resolution period")
+    interval_s: float = Field(
+        default=5.0, gt=0, description="DNS re-resolution period; back-off before a Kubernetes re-list"
+    )
     nameserver: str | None = Field(
         default=None, description="host:port of the DNS server; unset = the system's (resolv.conf)"
     )
@@ -59,6 +105,15 @@ class DiscoveryConfig(_Strict):
             if not host or not port.isdigit():
                 raise ValueError(f"{v!r} is not host:port (e.g. 10.96.0.10:53)")
         return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DiscoveryConfig:
+        if (self.dns_name is None) == (self.endpointslices is None):
+            raise ValueError(
+                "discover needs exactly one source: dns_name (a headless Service's DNS name) or "
+                "endpointslices (a Service watched through the Kubernetes API)"
+            )
+        return self
 
 
 class RegionConfig(_Strict):
@@ -75,7 +130,9 @@ class RegionConfig(_Strict):
     @model_validator(mode="after")
     def _has_servers(self) -> RegionConfig:
         if not self.servers and self.discover is None:
-            raise ValueError(f"region {self.name!r} needs servers or discover (a DNS name)")
+            raise ValueError(
+                f"region {self.name!r} needs servers or discover (a DNS name or Kubernetes EndpointSlices)"
+            )
         return self
 
 
@@ -343,6 +400,17 @@ class DrainConfig(_Strict):
     timeout_s: float = Field(default=30.0, gt=0, description="bound on waiting for in-flight requests")
 
 
+class ReloadConfig(_Strict):
+    """Live config reload: SIGHUP always re-reads the file; polling it is optional."""
+
+    watch_interval_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="check the config file for changes this often (a ConfigMap update reaches a "
+        "mounted file without a signal); 0 = reload only on SIGHUP",
+    )
+
+
 class GatewayConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid")
 
@@ -362,6 +430,7 @@ class GatewayConfig(BaseSettings):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     drain: DrainConfig = Field(default_factory=DrainConfig)
+    reload: ReloadConfig = Field(default_factory=ReloadConfig)
     log_json: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="root log level of the gateway process"

@@ -17,7 +17,7 @@ from gateway.auth import Authenticator, Principal
 from gateway.balancer import make_balancer
 from gateway.cache import MemoryCache, RedisCache, ResponseCache
 from gateway.coalesce import Coalescer
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, ServerConfig
 from gateway.discovery import Discovery
 from gateway.dispatch import Attempt, Dispatcher, Outcome, SequenceId
 from gateway.errors import NoReadyServer, Overloaded
@@ -56,12 +56,17 @@ class Gateway:
         self.router = RegionRouter(
             cfg, regions, {r.name: make_balancer(cfg.balancing.policy) for r in regions}, clock
         )
-        self.servers = self.router.servers()
+        self.servers = self.router.servers()  # one list, shared with health: changed in place
+        for server in self.servers:
+            self.metrics.server_joined(server.region, server.name)
+        self._leaving: set[asyncio.Task[None]] = set()  # removed servers draining, then closed
+        # What config reload (gateway/reload.py) did last: shown in the fleet view.
+        self.reloads: dict[str, Any] = {"applied": 0, "refused": 0, "last_refusal": ""}
         self.detector = OutlierDetector(cfg.health, on_eject=self.metrics.ejection, servers=self.servers)
         self.health = HealthChecker(self.servers, cfg.health, cfg.upstream_protocol, self.detector, clock)
         self.dispatcher = Dispatcher(cfg, self.router, self.detector, self.metrics, clock)
         self.auth = Authenticator(cfg.auth, clock)
-        self.discovery = Discovery(self)  # regions with `discover`: servers from DNS
+        self.discovery = Discovery(self)  # regions with `discover`: servers from DNS or Kubernetes
         self.metrics.model_label = self.model_label
         self.redis: RedisLink | None = None
         if cfg.cache.backend == "redis":
@@ -106,6 +111,9 @@ class Gateway:
     async def stop(self) -> None:
         await self.discovery.stop()
         await self.health.stop()
+        for task in list(self._leaving):
+            task.cancel()  # each closes its server on the way out
+        await asyncio.gather(*self._leaving, return_exceptions=True)
         for s in self.servers:
             await s.close()
         if self.cache is not None:
@@ -133,6 +141,74 @@ class Gateway:
         if self.inflight:
             logger.warning("drain timeout: %d request(s) still in flight", self.inflight)
         stop_serving()
+
+    # -- fleet changes (discovery, config reload) ---------------------------------------------------
+    def new_server(self, cfg: ServerConfig, region: str) -> UpstreamServer:
+        return UpstreamServer(
+            cfg, region, self.cfg.balancing.ewma_decay_s, self.cfg.retries.connect_timeout_s, self.clock
+        )
+
+    async def add_server(self, server: UpstreamServer) -> bool:
+        """Probe `server`, then put it in routing (a request reaches it once a probe said ready).
+
+        False (and the server closed) when its region left the fleet during the probe."""
+        try:
+            await self.health.probe(server)
+        except asyncio.CancelledError:  # discovery reconfigured or stopped mid-probe: nothing leaks
+            await server.close()
+            raise
+        region = self.router.regions.get(server.region)
+        if region is None:
+            await server.close()
+            return False
+        region.servers.append(server)
+        self.servers.append(server)  # the health checker's and outlier detector's list too
+        self.metrics.server_joined(server.region, server.name)
+        logger.info("server %s joined %s (ready: %s)", server.name, server.region, server.healthy)
+        return True
+
+    def remove_server(self, server: UpstreamServer) -> None:
+        """No new request is routed to `server` from here on; it is closed once its in-flight
+        requests finished (bounded by drain.timeout_s), so its removal fails none of them."""
+        region = self.router.regions.get(server.region)
+        if region is not None and server in region.servers:
+            region.servers.remove(server)
+        if server in self.servers:
+            self.servers.remove(server)
+        task = asyncio.get_running_loop().create_task(self._close_when_idle(server))
+        self._leaving.add(task)
+        task.add_done_callback(self._leaving.discard)
+        logger.info(
+            "server %s left %s: draining %d in-flight request(s)", server.name, server.region, server.inflight
+        )
+
+    async def _close_when_idle(self, server: UpstreamServer) -> None:
+        try:
+            deadline = self.clock() + self.cfg.drain.timeout_s
+            while server.inflight and self.clock() < deadline:
+                await asyncio.sleep(0.05)
+            if server.inflight:
+                logger.warning("%s closed with %d request(s) in flight", server.name, server.inflight)
+        finally:
+            await server.close()
+            self.metrics.server_left(server.region, server.name)  # its labels leave /metrics
+
+    def add_region(self, name: str, rtt_ms: float | None) -> None:
+        """An empty region joins routing; servers are added with `add_server`."""
+        self.router.add_region(
+            Region(name, [], None if rtt_ms is None else rtt_ms / 1000),
+            make_balancer(self.cfg.balancing.policy),
+        )
+
+    def remove_region(self, name: str) -> None:
+        """Take a region out of routing at once; its servers drain as removed servers do."""
+        region = self.router.remove_region(name)
+        for server in list(region.servers):
+            self.remove_server(server)
+
+    def leaving(self) -> int:
+        """Removed servers still draining."""
+        return len(self._leaving)
 
     # -- admission -------------------------------------------------------------------------------
     async def admit(
@@ -283,4 +359,6 @@ class Gateway:
             },
             "coalescing": len(self.coalescer),
             "servers": [s.describe(now) for s in self.servers],
+            "servers_draining": self.leaving(),
+            "config_reloads": dict(self.reloads),
         }

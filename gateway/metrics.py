@@ -7,10 +7,14 @@ per region, cache bytes) are computed when Prometheus scrapes, not on every requ
 Label values are bounded whatever clients send: a `model` label is the model's name only when some
 server's repository index reports it and the caller was admitted to it (see `Gateway.model_label`);
 every other name folds into `OTHER_MODEL`, so invented names cannot grow /metrics or the child cache.
+Server labels are bounded as the fleet churns (discovered pods come and go with new addresses): the
+gateway reports each server joining and leaving, a departed server's label children are removed, and
+a request that finishes on it after that counts under `DEPARTED_SERVER`.
 """
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,6 +23,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 OTHER_MODEL = "__other__"
+DEPARTED_SERVER = "__departed__"
 LATENCY_BUCKETS = (
     0.0002,
     0.0005,
@@ -175,6 +180,14 @@ class GatewayMetrics:
         # Folds client-chosen model names into a bounded set; the gateway installs the real rule.
         self.model_label: Callable[[str], str] = lambda model: model
         self._children: dict[tuple[Any, ...], Any] = {}
+        # Servers in the fleet (a name can be held twice while an old server drains and a new one
+        # with its name joins), and where each per-server metric keeps its region and server labels.
+        self._fleet: Tally[tuple[str, str]] = Tally()
+        self._per_server = {
+            id(self._requests): (self._requests, 1, 2),
+            id(self._upstream): (self._upstream, 0, 1),
+            id(self._ejections): (self._ejections, 0, 1),
+        }
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
@@ -183,15 +196,41 @@ class GatewayMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
+    def server_joined(self, region: str, server: str) -> None:
+        self._fleet[(region, server)] += 1
+
+    def server_left(self, region: str, server: str) -> None:
+        """Forget a departed server's label children, unless another server of its name is in the fleet."""
+        self._fleet[(region, server)] -= 1
+        if self._fleet[(region, server)] > 0:
+            return
+        del self._fleet[(region, server)]
+        for key in [k for k in self._children if k[0] in self._per_server]:
+            metric, region_at, server_at = self._per_server[key[0]]
+            labels = key[1:]
+            if labels[region_at] == region and labels[server_at] == server:
+                del self._children[key]
+                metric.remove(*labels)
+
+    def _server_label(self, region: str, server: str) -> str:
+        """`server` while it is in the fleet (or no server was reached), else DEPARTED_SERVER."""
+        return server if not server or (region, server) in self._fleet else DEPARTED_SERVER
+
     def request(
         self, model: str, region: str, server: str, protocol: str, status: str, seconds: float
     ) -> None:
         model = self.model_label(model)
-        self._child(self._requests, model, region, server, protocol, status).inc()
+        child = self._children.get((id(self._requests), model, region, server, protocol, status))
+        if child is None:  # a new label set: checked once, then cached (the hot path is the lookup)
+            child = self._child(
+                self._requests, model, region, self._server_label(region, server), protocol, status
+            )
+        child.inc()
         self._child(self._latency, model, protocol).observe(seconds)
 
     def upstream_latency(self, server: Any, seconds: float) -> None:
-        self._child(self._upstream, server.region, server.name).observe(seconds)
+        name = self._server_label(server.region, server.name)
+        self._child(self._upstream, server.region, name).observe(seconds)
 
     def cache(self, model: str, hit: bool) -> None:
         self._child(self._cache, self.model_label(model), "hit" if hit else "miss").inc()
@@ -215,7 +254,7 @@ class GatewayMetrics:
         self.budget_exhausted.inc()
 
     def ejection(self, server: Any, reason: str) -> None:
-        self._child(self._ejections, server.region, server.name).inc()
+        self._child(self._ejections, server.region, self._server_label(server.region, server.name)).inc()
 
     def spillover(self, home: str, region: str) -> None:
         self._child(self._spillovers, home, region).inc()

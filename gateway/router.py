@@ -76,6 +76,24 @@ class RegionRouter:
     def servers(self) -> list[UpstreamServer]:
         return [s for r in self.regions.values() for s in r.servers]
 
+    # -- fleet changes: each is one synchronous step, so no request sees a half-made change -----
+    def add_region(self, region: Region, balancer: Balancer) -> None:
+        self.balancers[region.name] = balancer
+        self.regions[region.name] = region
+
+    def remove_region(self, name: str) -> Region:
+        """Take a region out of routing (its servers with it); never the home region."""
+        if name == self.home:
+            raise ValueError(f"region {name!r} is the home region: set another home_region first")
+        region = self.regions.pop(name)
+        self.balancers.pop(name, None)
+        return region
+
+    def set_home(self, name: str) -> None:
+        if name not in self.regions:
+            raise ValueError(f"home region {name!r} is not one of the regions {sorted(self.regions)}")
+        self.home = name
+
     def region_order(self) -> list[Region]:
         home = self.regions[self.home]
         others = sorted((r for r in self.regions.values() if r.name != self.home), key=lambda r: r.rtt_s())

@@ -4,6 +4,8 @@ with a graceful drain. Listeners are bound first: a taken port is a ListenError 
 SIGTERM: report not-ready at once, keep serving for `drain.grace_s` (so load balancers notice),
 then refuse new requests with 503, wait for in-flight ones (bounded), stop both servers and exit.
 A second SIGTERM or SIGINT exits immediately.
+
+SIGHUP: re-read the config file and apply region and server changes live (gateway/reload.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gateway.grpc_front import GrpcFront
 from gateway.http_front import HttpFront
 from gateway.listen import ListenError, bind_listener
 from gateway.ops import build_ops_app
+from gateway.reload import ConfigReloader
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +51,10 @@ def _uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
     )
 
 
-async def serve(cfg: GatewayConfig, ready_file: Path | None = None) -> None:
-    """Serve until stopped; ListenError (naming the listen.* field) when a port cannot be bound."""
+async def serve(cfg: GatewayConfig, ready_file: Path | None = None, config_path: Path | None = None) -> None:
+    """Serve until stopped; ListenError (naming the listen.* field) when a port cannot be bound.
+
+    `config_path`: the file SIGHUP (and `reload.watch_interval_s`) re-reads."""
     loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
     listen = cfg.listen
     # Bind every listener before starting anything, so a taken port fails fast and in one line.
@@ -89,6 +94,15 @@ async def serve(cfg: GatewayConfig, ready_file: Path | None = None) -> None:
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
     loop.add_signal_handler(signal.SIGINT, on_int)
+    reloader = ConfigReloader(gateway, config_path) if config_path is not None else None
+    if reloader is not None:
+        loop.add_signal_handler(signal.SIGHUP, reloader.request)
+        await reloader.start()
+    else:  # SIGHUP's default action would kill the process
+        loop.add_signal_handler(
+            signal.SIGHUP,
+            lambda: logger.error("SIGHUP ignored: the gateway was started without a config file"),
+        )
     # uvicorn.Server.serve() would install its own signal handling; run its steps directly instead.
     for s in (server, ops_server):
         s.config.load()
@@ -129,12 +143,14 @@ async def serve(cfg: GatewayConfig, ready_file: Path | None = None) -> None:
         await grpc_front.stop(1.0)
         if drain_task is not None and not drain_task.done():
             drain_task.cancel()
+        if reloader is not None:
+            await reloader.stop()
         await gateway.stop()
         logger.info("gateway stopped")
 
 
-def run(cfg: GatewayConfig, ready_file: Path | None = None) -> None:
+def run(cfg: GatewayConfig, ready_file: Path | None = None, config_path: Path | None = None) -> None:
     # uvloop: measured ~15% less CPU per HTTP request than asyncio's loop here; grpc.aio is equal on both.
     import uvloop
 
-    uvloop.run(serve(cfg, ready_file))
+    uvloop.run(serve(cfg, ready_file, config_path))

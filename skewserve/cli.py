@@ -489,7 +489,7 @@ def gateway_command(
         raise typer.Exit(2) from exc
     configure_logging(cfg.log_json, cfg.log_level.upper())
     try:
-        run(cfg)
+        run(cfg, config_path=config)
     except ListenError as exc:
         from rich.markup import escape
 

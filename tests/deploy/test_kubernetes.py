@@ -141,9 +141,10 @@ def test_overlay_gateway_config_takes_its_home_region_from_the_environment(
     assert cfg.home_region == region and sorted(r.name for r in cfg.regions) == REGIONS
     for r in cfg.regions:
         hosts = {s.http.rsplit(":", 1)[0] for s in r.servers}
-        if r.name == region:  # local pods discovered from the headless Service's records
-            assert hosts == set() and r.discover is not None
-            assert r.discover.dns_name == "triton.skewserve.svc.cluster.local"
+        if r.name == region:  # local pods discovered from the Triton Service's EndpointSlices
+            assert hosts == set() and r.discover is not None and r.discover.endpointslices is not None
+            assert r.discover.endpointslices.service == "triton"
+            assert r.discover.endpointslices.namespace is None  # the pod's own: where the Role grants
         else:  # another cluster: an address that resolves across clusters
             assert hosts == {f"triton.{r.name}.skewserve.internal"}, hosts
     spill = _by_id(_docs(overlay / "region.yaml"))[("Service", "triton-spillover")]["metadata"]["annotations"]
@@ -178,6 +179,33 @@ def test_rendered_overlay_is_valid_kubernetes(region: str, monkeypatch: pytest.M
     assert triton["image"] == TARGET.image
     assert all(d["metadata"].get("namespace") == "skewserve" for d in docs if d["kind"] != "Namespace")
     assert all(d["metadata"]["labels"]["skewserve.io/region"] == region for d in docs)
+
+
+def test_gateway_service_account_may_list_and_watch_endpointslices_and_nothing_else() -> None:
+    """Discovery reads the `triton` Service's EndpointSlices with the gateway pods' service account."""
+    ids = _by_id(_base_resources())
+    gateway = ids[("Deployment", "skewserve-gateway")]["spec"]["template"]["spec"]
+    account = gateway["serviceAccountName"]
+    assert ("ServiceAccount", account) in ids
+    assert gateway.get("automountServiceAccountToken", True)  # the token discovery authenticates with
+    bindings = [
+        d
+        for d in ids.values()
+        if d["kind"] == "RoleBinding"
+        and {"kind": "ServiceAccount", "name": account, "namespace": "skewserve"} in d["subjects"]
+    ]
+    assert len(bindings) == 1 and bindings[0]["roleRef"]["kind"] == "Role"
+    role = ids[("Role", bindings[0]["roleRef"]["name"])]
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    assert _kustomization(K8S / "base")["namespace"] == "skewserve"  # where the Role and the Service are
+    services = {d["metadata"]["name"] for d in ids.values() if d["kind"] == "Service"}
+    assert "triton" in services  # the service the overlays' discover.endpointslices.service names
 
 
 def test_readme_creates_every_secret_the_manifests_reference() -> None:
