@@ -25,7 +25,7 @@ from gateway.auth import hash_key
 from gateway.statistics import merge_statistics
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
-from tests.gateway.conftest import gateway_config, start_fleet, stop_fleet
+from tests.gateway.conftest import gateway_config, start_fleet, stop_fleet, wait_until
 
 KEY = "sk-stats-lt-only-4e7d2a91"
 X = np.full((1, 8), 0.5, np.float32)
@@ -107,6 +107,14 @@ def test_http_statistics_are_the_sum_of_the_servers(small_fleet, gw) -> None:
     _http_infer(a.http_address, "lt", 3)
     _http_infer(b.http_address, "lt", 5)
     _http_infer(gw.http, "lt", 4, authorization=f"Bearer {KEY}")
+    # Triton counts an inference after it has sent the answer: wait until all 12 are counted.
+    wait_until(
+        lambda: (
+            _count(_entry(_http_stats(gw.http, "lt", authorization=f"Bearer {KEY}"), "lt")) - before
+            >= 3 + 5 + 4
+        ),
+        what="Triton to count the 12 inferences",
+    )
     direct = [_entry(_http_stats(s.http_address, "lt"), "lt") for s in (a, b)]
     via = _http_stats(gw.http, "lt", authorization=f"Bearer {KEY}")
     assert [m["name"] for m in via["model_stats"]] == ["lt"]
@@ -122,9 +130,15 @@ def test_http_statistics_are_the_sum_of_the_servers(small_fleet, gw) -> None:
 
 def test_grpc_statistics_are_the_sum_of_the_servers(small_fleet, gw) -> None:
     a, b = _servers(small_fleet)
+    before = sum(_count(_entry(_grpc_stats(s.grpc_address, "lt"), "lt")) for s in (a, b))
     _grpc_infer(a.grpc_address, "lt", 2)
     _grpc_infer(b.grpc_address, "lt", 6)
     _grpc_infer(gw.grpc, "lt", 3, authorization=f"Bearer {KEY}")
+    # Triton counts an inference after it has sent the answer: wait until all 11 are counted.
+    wait_until(
+        lambda: sum(_count(_entry(_grpc_stats(s.grpc_address, "lt"), "lt")) for s in (a, b)) - before >= 11,
+        what="Triton to count the 11 inferences",
+    )
     direct = [_entry(_grpc_stats(s.grpc_address, "lt"), "lt") for s in (a, b)]
     via = _entry(_grpc_stats(gw.grpc, "lt", authorization=f"Bearer {KEY}"), "lt")
     assert _summed([via]) == _summed(direct)

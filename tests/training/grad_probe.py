@@ -53,6 +53,7 @@ def main() -> None:
             nproc=world,
             loss=loss,  # type: ignore[arg-type]
             dropout=0.0,  # dropout masks depend on the batch's shape: off, so both sides compute the same function
+            input_noise=0.0,  # noise is drawn per rank and batch shape: off, for the same reason
             grad_clip=None,  # clipping rescales the gradient; the comparison is of the gradient itself
             global_batch_size=GLOBAL_BATCH,
             threads_per_rank=1,
