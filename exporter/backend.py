@@ -1,0 +1,71 @@
+"""A model's serving backend, kept per model so that it never flips with the exporting host.
+
+`config.pbtxt` is model-level: every version of a model is loaded with it. Were its backend chosen
+per export (a plan on a GPU host, ONNX on a CPU host), exporting version 2 on another machine would
+make Triton look for `1/model.plan` in a version that has only `model.onnx`. So the backend is
+recorded once, in `<model>/serving_backend.json`, and a publish that would change it is refused
+unless asked for explicitly (`--change-backend`), and even then while a version that stays live
+under the version policy lacks the files the new backend loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from exporter.errors import PublishError
+from exporter.triton_config import BACKENDS, backend_of, parse, required_files
+
+BACKEND_FILE = "serving_backend.json"
+
+
+def recorded_backend(model_dir: Path) -> str | None:
+    """The backend the model's versions are served with, or None for a model never published."""
+    path = model_dir / BACKEND_FILE
+    if not path.is_file():
+        return None
+    backend = json.loads(path.read_text()).get("backend")
+    if backend not in BACKENDS:
+        raise PublishError(f"{path} names backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    return str(backend)
+
+
+def backend_file_text(backend: str) -> str:
+    return json.dumps({"backend": backend}, indent=2) + "\n"
+
+
+def check_backend_change(
+    model_dir: Path,
+    gpu_config_text: str,
+    published: list[int],
+    allow_change: bool,
+) -> str:
+    """The new config's backend, after refusing a change that was not asked for or cannot load.
+
+    `published` are the model's complete versions before this publish; the new version's config
+    keeps `latest { num_versions: N }`, so the newest N-1 of them stay live beside the new one.
+    """
+    cfg = parse(gpu_config_text)
+    new = backend_of(cfg)
+    old = recorded_backend(model_dir)
+    if old is None or old == new:
+        return new
+    if not allow_change:
+        raise PublishError(
+            f"{model_dir.name} is served with the {old} backend ({BACKEND_FILE}); this export would switch "
+            f"it to {new} for every version. Export with the model's backend (e.g. --tensorrt off for "
+            f"onnxruntime), publish under a new --name, or pass --change-backend"
+        )
+    keep = cfg.version_policy.latest.num_versions if cfg.version_policy.HasField("latest") else 1
+    live = published[-(keep - 1) :] if keep > 1 else []
+    need = required_files(cfg)
+    missing = {v: sorted(f for f in need if not (model_dir / str(v) / f).is_file()) for v in live}
+    missing = {v: files for v, files in missing.items() if files}
+    if missing:
+        detail = "; ".join(f"version {v} has no {', '.join(files)}" for v, files in missing.items())
+        raise PublishError(
+            f"cannot switch {model_dir.name} from {old} to {new}: versions {sorted(missing)} stay live "
+            f"(version policy keeps {keep}) and still need {old} ({detail}). Publish with a config keeping "
+            "one version, or under a new --name"
+        )
+    return new
