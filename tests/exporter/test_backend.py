@@ -72,7 +72,9 @@ def test_auto_follows_the_recorded_backend_not_the_host(small_artifact: Path, tm
     assert parse((tmp_path / "m" / "config.pbtxt").read_text()).backend == "onnxruntime"
 
 
-def test_recorded_tensorrt_backend_without_a_gpu_is_a_clear_error(small_artifact: Path, tmp_path: Path) -> None:
+def test_recorded_tensorrt_backend_without_a_gpu_is_a_clear_error(
+    small_artifact: Path, tmp_path: Path
+) -> None:
     from exporter.errors import ExportError
     from exporter.tensorrt_build import tensorrt_unavailable_reason
 
@@ -93,7 +95,9 @@ def test_cli_export_options(small_artifact: Path, tmp_path: Path) -> None:
     base += ["--repo", str(tmp_path), "--name", "m"]
     res = subprocess.run([*base, "--ort-tensorrt", "int4"], capture_output=True, text=True)
     assert res.returncode == 2 and "ort_tensorrt" in res.stdout + res.stderr
-    res = subprocess.run([*base, "--format", "torchscript", "--precision", "fp16"], capture_output=True, text=True)
+    res = subprocess.run(
+        [*base, "--format", "torchscript", "--precision", "fp16"], capture_output=True, text=True
+    )
     assert res.returncode == 1 and "--format torchscript exports FP32 only" in res.stdout
     res = subprocess.run(
         [*base, "--tensorrt", "off", "--ort-tensorrt", "fp16", "--response-cache", "--keep-versions", "3"],

@@ -40,7 +40,9 @@ def _build(*ccs: str, version: str = "10.5.0", **kw: object) -> TensorRTBuild:
 
 def test_several_plans_are_named_per_capability_in_cc_model_filenames() -> None:
     cc_plans = {"8.6": plan_filename("8.6", True), "9.0": plan_filename("9.0", True)}
-    cfg = _schema_parse(render(gpu_config("m", CONTRACT, ConfigOptions(), backend="tensorrt", cc_plans=cc_plans)))
+    cfg = _schema_parse(
+        render(gpu_config("m", CONTRACT, ConfigOptions(), backend="tensorrt", cc_plans=cc_plans))
+    )
     assert cfg.platform == "tensorrt_plan"
     assert dict(cfg.cc_model_filenames) == {"8.6": "model_sm86.plan", "9.0": "model_sm90.plan"}
     assert cfg.default_model_filename == "model_sm86.plan"
@@ -74,7 +76,10 @@ def test_ort_tensorrt_accelerator_is_written_as_the_onnxruntime_backend_document
 
 
 def test_ort_tensorrt_on_another_backend_is_refused() -> None:
-    with pytest.raises(ValueError, match="ort_tensorrt=fp16 configures the onnxruntime backend, but this model serves with tensorrt"):
+    with pytest.raises(
+        ValueError,
+        match="ort_tensorrt=fp16 configures the onnxruntime backend, but this model serves with tensorrt",
+    ):
         gpu_config("m", CONTRACT, ConfigOptions(ort_tensorrt="fp16"), backend="tensorrt")
 
 
@@ -94,7 +99,9 @@ def test_tensorrt_version_rules() -> None:
         "version) or build with --trt-version-compatible"
     )
     assert tensorrt_version_mismatch("10.3.0", "10.5.0.18", version_compatible=True) is None
-    assert "runs TensorRT 10.3.0" in str(tensorrt_version_mismatch("10.5.0", "10.3.0", version_compatible=True))
+    assert "runs TensorRT 10.3.0" in str(
+        tensorrt_version_mismatch("10.5.0", "10.3.0", version_compatible=True)
+    )
     assert "within major 10" in str(tensorrt_version_mismatch("10.5.0", "11.0.0", version_compatible=True))
 
 
@@ -134,7 +141,9 @@ def test_card_record_round_trip() -> None:
 
 def test_builder_refuses_a_tensorrt_the_serving_image_cannot_load() -> None:
     check_builder_version("10.5.0", TensorRTOptions())  # the pinned version builds
-    with pytest.raises(TensorRTUnavailable, match=r"TensorRT 10.7.0 is installed here, but the serving image "):
+    with pytest.raises(
+        TensorRTUnavailable, match=r"TensorRT 10.7.0 is installed here, but the serving image "
+    ):
         check_builder_version("10.7.0", TensorRTOptions())
     check_builder_version("10.3.0", TensorRTOptions(version_compatible=True))  # older, forward-compatible
     with pytest.raises(TensorRTUnavailable):

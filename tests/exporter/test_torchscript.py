@@ -52,7 +52,9 @@ def test_torchscript_version_served_by_tritonserver_equals_pytorch(
         g = grpcclient.InferenceServerClient(server.grpc_address)
         ginp = grpcclient.InferInput("features", [1, 8], "FP32")
         ginp.set_data_from_numpy(x[:1])
-        np.testing.assert_allclose(g.infer("ts", [ginp]).as_numpy("probabilities"), probs.numpy()[:1], atol=1e-5)
+        np.testing.assert_allclose(
+            g.infer("ts", [ginp]).as_numpy("probabilities"), probs.numpy()[:1], atol=1e-5
+        )
 
 
 def test_torchscript_parity_gate_refuses_a_module_that_differs(small_artifact: Path, tmp_path: Path) -> None:
@@ -69,7 +71,9 @@ def test_torchscript_parity_gate_refuses_a_module_that_differs(small_artifact: P
         for p in skewed.parameters():
             p.add_(0.05)
     skewed.save(str(path))
-    with pytest.raises(ParityError, match=r"refusing to publish: parity failed for torchscript fp32: max \|Δp\|"):
+    with pytest.raises(
+        ParityError, match=r"refusing to publish: parity failed for torchscript fp32: max \|Δp\|"
+    ):
         require(compare(reference, torchscript_runner(str(path)), rows, "torchscript", "fp32"))
 
 
