@@ -1,12 +1,17 @@
 """Training benchmark: quality of skew-balanced losses/samplers, and rank-speed balancing.
 
-Prints two tables from one run:
+Prints three tables from one run:
+0. defaults against the reference: `TrainConfig()` defaults, unchanged, against scikit-learn's
+   LogisticRegression(class_weight="balanced") on the synthetic set and on long-tailed versions of
+   the data sets that ship inside scikit-learn (digits, breast cancer, wine, iris: no download);
+   each real set's training split is subsampled to an exponential long tail, the test split is
+   class-balanced, the validation split follows the training distribution (as a real one would);
 1. test balanced accuracy / macro-F1 on `skewserve data synth` (10 classes, imbalance ratio 100)
    for plain CE, each skew-balanced loss/sampler, and scikit-learn's
    LogisticRegression(class_weight="balanced") as an outside reference;
 2. two torchrun ranks with rank 1 slowed 2x: epoch wall time and imbalance ratio with rank-speed
    balancing off and on.
-Usage: python benchmarks/training_bench.py [--quick]
+Usage: python benchmarks/training_bench.py [--quick] [--only defaults|quality|balance]
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +33,103 @@ from training.data import load_data_dir  # noqa: E402
 from training.launch import train  # noqa: E402
 from training.metrics import classification_report  # noqa: E402
 from training.synth import SynthSpec, write  # noqa: E402
+
+# name -> (scikit-learn loader, test rows per class, imbalance ratio of the training split)
+REAL_SETS = {
+    "digits": ("load_digits", 40, 50.0),
+    "breast_cancer": ("load_breast_cancer", 60, 50.0),
+    "wine": ("load_wine", 10, 50.0),
+    "iris": ("load_iris", 10, 50.0),
+}
+MIN_CLASS_ROWS = 3  # the rarest class keeps 2 training rows and 1 validation row
+
+
+def write_real_long_tail(name: str, out: Path, seed: int, val_fraction: float = 0.2) -> dict[str, list[int]]:
+    """A long-tailed train/val and a balanced test split of a scikit-learn bundled data set, as CSV.
+
+    Class sizes decay exponentially from the smallest class's pool (after the test rows) down by
+    the imbalance ratio, floored at MIN_CLASS_ROWS (Cui et al. 2019's long-tail construction); the
+    seed picks which class is the head. Returns the per-split class counts.
+    """
+    import pandas as pd
+    import sklearn.datasets
+
+    loader, n_test, ratio = REAL_SETS[name]
+    bunch = getattr(sklearn.datasets, loader)()
+    x, y = np.asarray(bunch.data, dtype=np.float32), np.asarray(bunch.target)
+    rng = np.random.default_rng(seed)
+    classes = np.unique(y)
+    pools = {c: rng.permutation(np.flatnonzero(y == c)) for c in classes}
+    n_head = min(len(p) for p in pools.values()) - n_test
+    sizes = {
+        c: max(MIN_CLASS_ROWS, int(round(n_head * ratio ** (-i / (len(classes) - 1)))))
+        for i, c in enumerate(rng.permutation(classes))
+    }
+    parts: dict[str, list[np.ndarray]] = {"train": [], "val": [], "test": []}
+    for c in classes:
+        pool = pools[c]
+        rest = pool[n_test : n_test + sizes[c]]
+        n_val = max(1, int(round(val_fraction * len(rest))))
+        parts["test"].append(pool[:n_test])
+        parts["val"].append(rest[:n_val])
+        parts["train"].append(rest[n_val:])
+    out.mkdir(parents=True, exist_ok=True)
+    columns = [f"x{j:02d}" for j in range(x.shape[1])]
+    counts = {}
+    for split, chunks in parts.items():
+        idx = np.concatenate(chunks)
+        df = pd.DataFrame(x[idx], columns=columns)
+        df["label"] = [f"class_{int(v)}" for v in y[idx]]
+        df.to_csv(out / f"{split}.csv", index=False)
+        counts[split] = np.bincount(y[idx], minlength=len(classes)).tolist()
+    return counts
+
+
+def defaults(work: Path, seeds: list[int]) -> None:
+    print(
+        f"\n## Defaults vs class-weighted logistic regression: test balanced accuracy, mean over seeds {seeds}\n"
+    )
+    print(
+        "| data set | train rows | classes | imbalance | val rows | default trainer | LR (balanced) | diff |"
+    )
+    print(
+        "|----------|-----------:|--------:|----------:|---------:|----------------:|--------------:|-----:|"
+    )
+    sets: list[tuple[str, Any]] = [("synthetic (10 cl.)", None), *((n, n) for n in REAL_SETS)]
+    wins = 0
+    for label, real in sets:
+        ours, ref, rows, imb, val_rows = [], [], [], [], []
+        for seed in seeds:
+            data = work / f"defaults-{label.split()[0]}-{seed}"
+            if real is None:
+                write(SynthSpec(n_classes=10, imbalance_ratio=100, seed=seed), data)
+            else:
+                write_real_long_tail(real, data, seed)
+            d = load_data_dir(data)
+            counts = d.class_counts
+            rows.append(len(d.train))
+            imb.append(counts.max() / counts.min())
+            val_rows.append(len(d.val))
+            # Only the benchmark's own choices: the seed, quiet output, one thread per run (tiny models
+            # on a shared machine). Every training setting is the default.
+            cfg = TrainConfig(
+                data_dir=data,
+                out_dir=work / f"out-{data.name}",
+                seed=seed,
+                progress=False,
+                threads_per_rank=1,
+            )
+            ours.append(train(cfg)["metrics"]["test"]["balanced_accuracy"])
+            ref.append(sklearn_reference(data)["balanced_accuracy"])
+        o, r = float(np.mean(ours)), float(np.mean(ref))
+        wins += o > r
+        print(
+            f"| {label} | {np.mean(rows):.0f} | {len(d.classes)} | {np.mean(imb):.0f} | {np.mean(val_rows):.0f} "
+            f"| {o:.4f} | {r:.4f} | {100 * (o - r):+.1f} |",
+            flush=True,
+        )
+    print(f"\ndefault trainer ahead on {wins} of {len(sets)} data sets")
+
 
 QUALITY_RUNS = [
     ("ce (plain)", {"loss": "ce", "sampler_q": 1.0}),
@@ -46,7 +149,7 @@ def sklearn_reference(data_dir: Path) -> dict[str, float]:
     from sklearn.preprocessing import StandardScaler
 
     d = load_data_dir(data_dir)
-    clf = make_pipeline(StandardScaler(), LogisticRegression(class_weight="balanced", max_iter=2000))
+    clf = make_pipeline(StandardScaler(), LogisticRegression(class_weight="balanced", max_iter=5000))
     clf.fit(d.train.features, d.train.labels)
     assert d.test is not None
     return classification_report(d.test.labels, clf.predict(d.test.features), d.classes)
@@ -139,7 +242,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="one seed, fewer epochs")
-    parser.add_argument("--only", choices=["quality", "balance"], help="run one part")
+    parser.add_argument("--only", choices=["defaults", "quality", "balance"], help="run one part")
+    parser.add_argument(
+        "--seeds", default="0,1,2", help="comma-separated seeds of the defaults table (3,4,5 were held out)"
+    )
     args = parser.parse_args()
     import os
     import platform
@@ -149,9 +255,12 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        if args.only != "balance":
+        if args.only in (None, "defaults"):
+            seeds = [int(x) for x in args.seeds.split(",")]
+            defaults(work, seeds=seeds[:1] if args.quick else seeds)
+        if args.only in (None, "quality"):
             quality(work, epochs=15 if args.quick else 40, seeds=[0] if args.quick else [0, 1, 2])
-        if args.only != "quality":
+        if args.only in (None, "balance"):
             balance(work, epochs=3 if args.quick else 6)
 
 

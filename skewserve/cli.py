@@ -202,7 +202,32 @@ def train_command(
     out: Path = typer.Option(Path("runs/artifact"), "--out", help="Artifact directory (checkpoints inside)."),
     label: str = typer.Option("label", "--label"),
     nproc: int = typer.Option(
-        1, "--nproc", min=1, help="Ranks; >1 launches torchrun (gloo on CPU, NCCL on CUDA)."
+        1, "--nproc", min=1, help="Ranks per node; >1 launches torchrun (gloo on CPU, NCCL on CUDA)."
+    ),
+    nnodes: int = typer.Option(
+        1, "--nnodes", min=1, help="Nodes; run this command on each with the same flags."
+    ),
+    node_rank: int | None = typer.Option(
+        None, "--node-rank", min=0, help="This node's rank (only with --rdzv-backend static)."
+    ),
+    rdzv_endpoint: str | None = typer.Option(
+        None, "--rdzv-endpoint", help="host:port of the rendezvous (one node's address), same on every node."
+    ),
+    rdzv_id: str = typer.Option("skewserve", "--rdzv-id", help="Job id shared by every node of one run."),
+    rdzv_backend: str = typer.Option(
+        "c10d", "--rdzv-backend", help="c10d (ranks assigned at rendezvous) | static."
+    ),
+    local_addr: str | None = typer.Option(
+        None, "--local-addr", help="Address other nodes reach this node at (default: its hostname)."
+    ),
+    max_restarts: int = typer.Option(
+        0,
+        "--max-restarts",
+        min=0,
+        help="Elastic restarts of the job; restarted workers resume from the checkpoint.",
+    ),
+    device: str = typer.Option(
+        "auto", "--device", help="auto (CUDA GPU LOCAL_RANK when visible) | cpu | cuda."
     ),
     loss: str = typer.Option(
         "logit_adjusted",
@@ -212,17 +237,35 @@ def train_command(
     sampler_q: float = typer.Option(
         1.0, "--sampler-q", help="Class draw probability ∝ n_c^q (1 natural, 0 class-uniform)."
     ),
-    epochs: int = typer.Option(30, "--epochs", min=1),
+    epochs: int | None = typer.Option(
+        None, "--epochs", min=1, help="Train exactly this many epochs instead of the step budget."
+    ),
+    max_steps: int | None = typer.Option(
+        None, "--max-steps", min=1, help="Optimizer-step budget (default: max(--min-steps, 30 epochs))."
+    ),
+    min_steps: int = typer.Option(1000, "--min-steps", min=1, help="Floor of the automatic step budget."),
+    input_noise: str = typer.Option(
+        "auto",
+        "--input-noise",
+        help="Gaussian input noise in feature stds; auto: min(1.5, 3*sqrt(features/rows)).",
+    ),
+    checkpoint_every_steps: int = typer.Option(
+        25, "--checkpoint-every-steps", min=1, help="Checkpoint at the first epoch end after this many steps."
+    ),
     batch_size: int = typer.Option(256, "--batch-size", help="Global batch size across ranks."),
     lr: float = typer.Option(3e-3, "--lr"),
     width: int = typer.Option(128, "--width"),
     depth: int = typer.Option(2, "--depth"),
     dropout: float = typer.Option(0.1, "--dropout"),
     precision: str = typer.Option(
-        "fp32", "--precision", help="fp32 | bf16 (CPU or GPU) | fp16 (CUDA, with a gradient scaler)"
+        "auto",
+        "--precision",
+        help="auto (bf16 on GPUs that support it, else fp16; fp32 on CPU) | fp32 | bf16 | fp16 (CUDA, with a gradient scaler)",
     ),
-    patience: int = typer.Option(
-        8, "--patience", help="Early-stopping patience on val balanced accuracy; 0 disables."
+    patience: str = typer.Option(
+        "auto",
+        "--patience",
+        help="Early-stopping patience in steps on smoothed val balanced accuracy; auto adapts; 0 disables.",
     ),
     speed_balance: bool = typer.Option(
         True, "--speed-balance/--no-speed-balance", help="Re-split each global batch by rank throughput."
@@ -248,16 +291,28 @@ def train_command(
             out_dir=out,
             label_column=label,
             nproc=nproc,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            rdzv_endpoint=rdzv_endpoint,
+            rdzv_id=rdzv_id,
+            rdzv_backend=rdzv_backend,  # type: ignore[arg-type]  # pydantic validates the choice
+            local_addr=local_addr,
+            max_restarts=max_restarts,
+            device=device,  # type: ignore[arg-type]  # pydantic validates the choice
             loss=loss,  # type: ignore[arg-type]  # pydantic validates the choice
             sampler_q=sampler_q,
             epochs=epochs,
+            max_steps=max_steps,
+            min_steps=min_steps,
+            checkpoint_every_steps=checkpoint_every_steps,
+            input_noise=input_noise,  # type: ignore[arg-type]  # "auto" or a number, pydantic validates
             global_batch_size=batch_size,
             lr=lr,
             width=width,
             depth=depth,
             dropout=dropout,
             precision=precision,  # type: ignore[arg-type]  # pydantic validates the choice
-            patience=patience or None,
+            patience=None if patience == "0" else patience,  # type: ignore[arg-type]  # "auto" or steps
             speed_balance=speed_balance,  # type: ignore[arg-type]
             slow_rank=slow_rank,
             slow_factor=slow_factor,
@@ -273,6 +328,11 @@ def train_command(
     except (TrainingError, ValueError, RuntimeError) as exc:
         error(exc)
         raise typer.Exit(1) from exc
+    if not meta:  # several nodes, each with its own --out: global rank 0 ran on another node
+        console.print(
+            f"training finished; global rank 0 ran on another node and wrote the artifact to its {out}"
+        )
+        return
     print_training_summary(meta, out)
 
 

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from training.device import DeviceChoice, PrecisionChoice
 from training.losses import LossName
 
 
@@ -26,19 +27,64 @@ class TrainConfig(BaseModel):
     focal_gamma: float = Field(default=2.0, ge=0)
     sampler_q: float = Field(default=1.0, ge=0, le=1, description="class draw prob ∝ n_c^q")
     # optimisation
-    epochs: int = Field(default=30, ge=1)
+    epochs: int | None = Field(
+        default=None, ge=1, description="train exactly this many epochs (overrides the step budget)"
+    )
+    max_steps: int | None = Field(
+        default=None, ge=1, description="optimizer-step budget; None: max(min_steps, budget_epochs epochs)"
+    )
+    min_steps: int = Field(
+        default=1000, ge=1, description="floor of the automatic budget; no early stop before it"
+    )
+    budget_epochs: int = Field(default=30, ge=1, description="passes over the data in the automatic budget")
     global_batch_size: int = Field(default=256, ge=1)
     lr: float = Field(default=3e-3, gt=0)
-    weight_decay: float = Field(default=1e-4, ge=0)
+    weight_decay: float = Field(
+        default=1.0,
+        ge=0,
+        description="AdamW's decoupled decay: each step shrinks weights by lr * weight_decay",
+    )
     warmup_fraction: float = Field(default=0.05, ge=0, lt=1)
+    input_noise: float | Literal["auto"] = Field(
+        default="auto",
+        description="std of Gaussian noise added to training inputs, in units of each feature's std; "
+        "auto: min(1.5, 3 * sqrt(features / training rows)), strong on small data, near 0 on large",
+    )
     grad_clip: float | None = Field(default=1.0, gt=0)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    patience: int | None = Field(
-        default=8, ge=1, description="early stopping on val balanced accuracy; None disables"
+    precision: PrecisionChoice = Field(
+        default="auto",
+        description="auto: bf16 on GPUs that support it, else fp16 with a gradient scaler; fp32 on CPU",
+    )
+    device: DeviceChoice = Field(
+        default="auto", description="auto: each rank on the CUDA GPU LOCAL_RANK when CUDA is visible"
+    )
+    patience: int | Literal["auto"] | None = Field(
+        default="auto",
+        description="early-stopping patience in optimizer steps on smoothed val balanced accuracy; "
+        "auto: max(min_steps / 2, a quarter of the budget); None disables",
+    )
+    early_stop_min_val_rows: int = Field(
+        default=200, ge=0, description="below this many val rows early stopping is off (too noisy)"
+    )
+    checkpoint_every_steps: int = Field(
+        default=25, ge=1, description="checkpoint at the first epoch end after this many steps"
     )
     seed: int = 0
     # distributed
-    nproc: int = Field(default=1, ge=1)
+    nproc: int = Field(default=1, ge=1, description="ranks per node")
+    nnodes: int = Field(default=1, ge=1, description="nodes (torchrun agents) in the job")
+    node_rank: int | None = Field(
+        default=None, ge=0, description="this node's rank; only with rdzv_backend static"
+    )
+    rdzv_endpoint: str | None = Field(
+        default=None, description="host:port of the rendezvous store, the same on every node"
+    )
+    rdzv_backend: Literal["c10d", "static"] = "c10d"
+    rdzv_id: str = Field(default="skewserve", min_length=1, description="job id shared by all nodes")
+    local_addr: str | None = Field(
+        default=None, description="address other nodes reach this node at (torchrun --local-addr)"
+    )
+    max_restarts: int = Field(default=0, ge=0, description="elastic restarts of the whole job")
     speed_balance: bool = True
     slow_rank: int | None = Field(
         default=None, ge=0, description="rank to slow down, to reproduce a mixed fleet"
@@ -50,16 +96,35 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
-        if self.global_batch_size < self.nproc:
+        ranks = f"nproc ({self.nproc})" if self.nnodes == 1 else f"nproc x nnodes ({self.world_size})"
+        if self.global_batch_size < self.world_size:
             raise ValueError(
-                f"global_batch_size ({self.global_batch_size}) must be at least nproc ({self.nproc}); "
+                f"global_batch_size ({self.global_batch_size}) must be at least {ranks}; "
                 "raise --batch-size or lower --nproc"
             )
-        if self.slow_rank is not None and self.slow_rank >= self.nproc:
+        if self.slow_rank is not None and self.slow_rank >= self.world_size:
+            where = f"nproc={self.nproc}" + (f" x nnodes={self.nnodes}" if self.nnodes > 1 else "")
             raise ValueError(
-                f"slow_rank {self.slow_rank} does not exist with nproc={self.nproc}; use 0..{self.nproc - 1}"
+                f"slow_rank {self.slow_rank} does not exist with {where}; use 0..{self.world_size - 1}"
+            )
+        if isinstance(self.input_noise, float) and self.input_noise < 0:
+            raise ValueError(f"input_noise must be >= 0 or 'auto', got {self.input_noise}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                f"nnodes={self.nnodes} needs rdzv_endpoint (host:port of the rendezvous on one node); "
+                "pass --rdzv-endpoint with the same value on every node"
+            )
+        if self.rdzv_backend == "static" and self.nnodes > 1 and self.node_rank is None:
+            raise ValueError("rdzv_backend static needs node_rank (0..nnodes-1) on every node")
+        if self.node_rank is not None and self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"node_rank {self.node_rank} does not exist with nnodes={self.nnodes}; use 0..{self.nnodes - 1}"
             )
         return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
 
     @property
     def checkpoint_dir(self) -> Path:

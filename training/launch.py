@@ -1,28 +1,49 @@
-"""Launch training: in-process for one rank, `torchrun` (PyTorch's elastic launcher) for several."""
+"""Launch training: in-process for one rank, `torchrun` (PyTorch's elastic launcher) for several.
+
+One node: torchrun --standalone. Several nodes: one torchrun agent per node, all given the same
+--rdzv-endpoint (the c10d rendezvous store, hosted by the agent whose address it names) and
+--rdzv-id; global ranks are assigned at rendezvous. With --max-restarts an agent restarts the
+whole job after a worker fails and the workers resume from the checkpoint directory.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from training.config import TrainConfig
 from training.errors import TrainingError
 
+logger = logging.getLogger(__name__)
+
 
 def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes=1",
+    """The torchrun command line of this node."""
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if cfg.nnodes == 1 and cfg.rdzv_endpoint is None:
+        cmd += ["--standalone", "--nnodes=1"]
+    else:
+        assert cfg.rdzv_endpoint is not None  # the config refuses nnodes > 1 without one
+        cmd += [
+            f"--nnodes={cfg.nnodes}",
+            f"--rdzv-backend={cfg.rdzv_backend}",
+            f"--rdzv-endpoint={cfg.rdzv_endpoint}",
+            f"--rdzv-id={cfg.rdzv_id}",
+        ]
+        if cfg.node_rank is not None:
+            cmd.append(f"--node-rank={cfg.node_rank}")
+        if cfg.local_addr is not None:
+            cmd.append(f"--local-addr={cfg.local_addr}")
+    return cmd + [
         f"--nproc-per-node={cfg.nproc}",
-        "--max-restarts=0",
+        f"--max-restarts={cfg.max_restarts}",
         "-m",
         "training.worker",
         "--config",
@@ -30,19 +51,29 @@ def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
     ]
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    # Several nodes may write the same file into a shared directory: each writes aside and renames.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def train(cfg: TrainConfig, log_path: Path | None = None) -> dict[str, Any]:
     """Train and return the artifact's metadata; raises TrainingError with the workers' reason."""
-    if cfg.nproc == 1:
+    if cfg.world_size == 1 and cfg.max_restarts == 0:
         from training.worker import run
 
         run(cfg)
     else:
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
         config_path = cfg.out_dir / "train_config.json"
-        config_path.write_text(cfg.model_dump_json(indent=2))
+        _write_atomically(config_path, cfg.model_dump_json(indent=2))
         env = dict(os.environ)
-        threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.nproc)
-        env["OMP_NUM_THREADS"] = str(threads)
+        if cfg.threads_per_rank:
+            env["OMP_NUM_THREADS"] = str(cfg.threads_per_rank)
+        else:  # a user's OMP_NUM_THREADS wins over the even split of this node's cores
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
         with contextlib.ExitStack() as stack:
             log = stack.enter_context(open(log_path, "w")) if log_path is not None else None
             proc = subprocess.run(
@@ -55,6 +86,10 @@ def train(cfg: TrainConfig, log_path: Path | None = None) -> dict[str, Any]:
             hint = f"; see {log_path}" if log_path else ""
             raise TrainingError(f"torchrun exited with code {proc.returncode}{hint}")
     meta_path = cfg.out_dir / "metadata.json"
+    if not meta_path.is_file() and cfg.nnodes > 1:
+        # Global rank 0 writes the artifact; with a per-node --out it is on the node that held rank 0.
+        logger.info("this node did not hold global rank 0: the artifact is in --out on the node that did")
+        return {}
     if not meta_path.is_file():
         raise TrainingError(f"training finished but wrote no artifact at {cfg.out_dir}")
     meta: dict[str, Any] = json.loads(meta_path.read_text())

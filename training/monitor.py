@@ -1,7 +1,8 @@
 """Per-rank skew monitor: step timings as JSON lines beside the checkpoints, and epoch summaries.
 
 Per step and rank: busy (compute) time, data-wait time, time waiting in the gradient all-reduce and
-samples/s. Per epoch: the imbalance ratio max/mean of per-rank mean busy time (1.0 means no rank
+samples/s. The step durations come from a `training.device.StepClock`, CUDA events on a GPU, so
+they are device compute time rather than kernel-launch time. Per epoch: the imbalance ratio max/mean of per-rank mean busy time (1.0 means no rank
 waits for another) and the per-class sample counts actually seen, summed over ranks.
 """
 
@@ -48,8 +49,17 @@ class EpochAccumulator:
 
 
 class SkewMonitor:
-    def __init__(self, directory: Path, rank: int, world_size: int, n_classes: int) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        rank: int,
+        world_size: int,
+        n_classes: int,
+        device: torch.device | None = None,
+    ) -> None:
         self.rank = rank
+        # Collective tensors must live where the backend works: NCCL only moves CUDA tensors.
+        self.device = device or torch.device("cpu")
         self.world_size = world_size
         self.n_classes = n_classes
         directory.mkdir(parents=True, exist_ok=True)
@@ -82,15 +92,16 @@ class SkewMonitor:
                 float(acc.samples),
             ],
             dtype=torch.float64,
+            device=self.device,
         )
-        counts = torch.tensor(acc.class_counts, dtype=torch.int64)
+        counts = torch.tensor(acc.class_counts, dtype=torch.int64, device=self.device)
         if self.world_size > 1 and dist.is_initialized():
             gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
             dist.all_gather(gathered, local)
             dist.all_reduce(counts)
-            per_rank = torch.stack(gathered).numpy()
+            per_rank = torch.stack(gathered).cpu().numpy()
         else:
-            per_rank = local.numpy()[None, :]
+            per_rank = local.cpu().numpy()[None, :]
         busy = per_rank[:, 0]
         summary: dict[str, Any] = {
             "epoch": epoch,
@@ -101,7 +112,7 @@ class SkewMonitor:
             "allreduce_wait_s_per_step": [round(float(v), 6) for v in per_rank[:, 1]],
             "data_wait_s_per_step": [round(float(v), 6) for v in per_rank[:, 2]],
             "samples_per_rank": [int(v) for v in per_rank[:, 3]],
-            "class_counts_seen": counts.tolist(),
+            "class_counts_seen": counts.cpu().tolist(),
         } | (extra or {})
         if self.rank == 0:
             with open(self.epoch_path, "a") as f:

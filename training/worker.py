@@ -1,8 +1,13 @@
 """One training process: run directly (nproc=1) or as a torchrun worker (`python -m training.worker`).
 
-Timing is measured, not estimated: a DDP communication hook stamps the moment the last gradient
+Each rank runs where `training.device.plan_placement` puts it: on CUDA, the GPU numbered LOCAL_RANK
+(set_device, DDP device_ids, NCCL, pinned non-blocking batch copies, autocast and the fp16 gradient
+scaler); on the CPU, gloo and fp32 or bf16 autocast.
+
+Timing is measured, not estimated: a DDP communication hook marks the moment the last gradient
 bucket is ready (end of this rank's backward compute); the rest of `backward()` is time spent
-waiting in the all-reduce for slower ranks.
+waiting in the all-reduce for slower ranks. Marks go through a `StepClock`: CUDA events on a GPU
+(device time, not kernel-launch time), the monotonic clock on the CPU.
 """
 
 from __future__ import annotations
@@ -24,9 +29,21 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from training.artifact import FORMAT_VERSION, write_artifact
-from training.checkpoint import load_checkpoint, save_checkpoint
+from training.budget import SmoothedEarlyStopping, resolve_budget, resolve_input_noise
+from training.checkpoint import load_newest_checkpoint, save_checkpoint
 from training.config import TrainConfig
 from training.data import Split, TabularDataset, load_data_dir
+from training.device import (
+    Placement,
+    StepClock,
+    activate,
+    autocast,
+    gather_batch,
+    grad_scaler,
+    host_capabilities,
+    plan_placement,
+    step_clock,
+)
 from training.errors import CheckpointError
 from training.losses import SkewLoss
 from training.metrics import classification_report
@@ -51,25 +68,28 @@ RESUME_KEYS = (
     "nproc",
     "precision",
     "epochs",
+    "max_steps",
+    "min_steps",
+    "budget_epochs",
+    "input_noise",
+    "weight_decay",
+    "nnodes",
 )
 
 
 @dataclass
 class _HookState:
     process_group: Any
+    clock: StepClock
     slow_factor: float = 1.0
-    step_start: float = 0.0
-    compute_end: float = 0.0
 
 
 def _timed_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     if bucket.is_last():
-        now = time.monotonic()
         if state.slow_factor > 1.0:
             # A slow device takes slow_factor times as long for the same compute.
-            time.sleep((state.slow_factor - 1.0) * (now - state.step_start))
-            now = time.monotonic()
-        state.compute_end = now
+            time.sleep((state.slow_factor - 1.0) * state.clock.since("batch_ready"))
+        state.clock.mark("compute_end")
     return default_hooks.allreduce_hook(state.process_group, bucket)
 
 
@@ -78,34 +98,36 @@ _timed_allreduce.__annotations__.update(bucket=dist.GradBucket, state=_HookState
 _timed_allreduce.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
-def _init_distributed(cfg: TrainConfig) -> tuple[int, int]:
+def _init_distributed(cfg: TrainConfig, placement: Placement) -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if world != cfg.nproc:
-        raise RuntimeError(f"launched with WORLD_SIZE={world} but the config says nproc={cfg.nproc}")
+    if world != cfg.world_size:
+        raise RuntimeError(
+            f"launched with WORLD_SIZE={world} but the config says nproc={cfg.nproc} x nnodes={cfg.nnodes}"
+        )
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=placement.backend)
     return rank, world
 
 
-def _autocast(precision: str) -> Any:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if precision == "bf16":
-        return torch.autocast(device_type=device, dtype=torch.bfloat16)
-    if precision == "fp16":
-        if device != "cuda":
-            raise RuntimeError("precision fp16 needs a CUDA GPU (use bf16 on CPU)")
-        return torch.autocast(device_type="cuda", dtype=torch.float16)
-    return torch.autocast(device_type=device, enabled=False)
+def _all_gather_floats(values: list[float], world: int, device: torch.device) -> np.ndarray:
+    """Every rank's values as a (world, len) array; the tensors live where the backend needs them."""
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    if world == 1 or not dist.is_initialized():
+        return local.cpu().numpy()[None, :]
+    out = [torch.zeros_like(local) for _ in range(world)]
+    dist.all_gather(out, local)
+    return torch.stack(out).cpu().numpy()
 
 
-def evaluate(model: torch.nn.Module, split: Split, classes: list[str]) -> dict[str, Any]:
+def evaluate(
+    model: torch.nn.Module, split: Split, classes: list[str], device: torch.device | None = None
+) -> dict[str, Any]:
     model.eval()
     with torch.no_grad():
-        logits = model(torch.from_numpy(split.features))
+        logits = model(torch.from_numpy(split.features).to(device or torch.device("cpu")))
     model.train()
-    return classification_report(split.labels, logits.argmax(dim=1).numpy(), classes)
+    return classification_report(split.labels, logits.argmax(dim=1).cpu().numpy(), classes)
 
 
 def _lr_lambda(total_steps: int, warmup_steps: int) -> Any:
@@ -121,8 +143,13 @@ def _lr_lambda(total_steps: int, warmup_steps: int) -> Any:
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
-        self.rank, self.world = _init_distributed(cfg)
-        torch.set_num_threads(cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.nproc))
+        self.placement = plan_placement(os.environ, host_capabilities(), cfg.precision, cfg.device)
+        activate(self.placement)  # before the process group: NCCL binds to the current device
+        self.device = self.placement.device
+        self.rank, self.world = _init_distributed(cfg, self.placement)
+        # An explicit OMP_NUM_THREADS (the launcher's or the user's) wins over the per-node split.
+        omp = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        torch.set_num_threads(cfg.threads_per_rank or omp or max(1, (os.cpu_count() or 1) // cfg.nproc))
         self.data: TabularDataset = load_data_dir(cfg.data_dir, cfg.label_column)
         train = self.data.train
         self.counts = self.data.class_counts
@@ -135,13 +162,20 @@ class Trainer:
             depth=cfg.depth,
             dropout=cfg.dropout,
         )
-        self.model = MLPClassifier(self.spec, mean, std)
-        self.loss_fn = SkewLoss(cfg.loss, self.counts, tau=cfg.tau, gamma=cfg.focal_gamma)
+        self.model = MLPClassifier(self.spec, mean, std).to(self.device)
+        self.loss_fn = SkewLoss(cfg.loss, self.counts, tau=cfg.tau, gamma=cfg.focal_gamma).to(self.device)
+        self.clock: StepClock = step_clock(self.placement)
         self.hook = _HookState(
-            process_group=None, slow_factor=cfg.slow_factor if cfg.slow_rank == self.rank else 1.0
+            process_group=None,
+            clock=self.clock,
+            slow_factor=cfg.slow_factor if cfg.slow_rank == self.rank else 1.0,
         )
         if self.world > 1:
-            self.ddp: torch.nn.Module = DistributedDataParallel(self.model)
+            self.ddp: torch.nn.Module = DistributedDataParallel(
+                self.model,
+                device_ids=self.placement.ddp_device_ids,
+                output_device=self.placement.device_index,
+            )
             self.ddp.register_comm_hook(self.hook, _timed_allreduce)  # type: ignore[operator]
         else:
             self.ddp = self.model
@@ -154,16 +188,25 @@ class Trainer:
             self.steps_per_epoch = max(1, self.sampler.total // cfg.global_batch_size)
         else:
             self.steps_per_epoch = max(1, math.ceil(self.sampler.per_rank / self.local_batch))
-        total_steps = self.steps_per_epoch * cfg.epochs
+        self.budget = resolve_budget(cfg, self.steps_per_epoch, len(self.data.val))
+        self.early_stop = SmoothedEarlyStopping(self.budget)
+        self.input_noise = resolve_input_noise(cfg, len(train), train.features.shape[1])
+        if self.rank == 0:
+            logger.info("budget: %s; input noise %.3f", self.budget.reason, self.input_noise)
+        total_steps = self.budget.total_steps
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(total_steps, int(cfg.warmup_fraction * total_steps))
         )
-        self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16")
-        self.monitor = SkewMonitor(cfg.checkpoint_dir, self.rank, self.world, len(self.data.classes))
+        self.scaler = grad_scaler(self.placement)
+        self.monitor = SkewMonitor(
+            cfg.checkpoint_dir, self.rank, self.world, len(self.data.classes), device=self.device
+        )
+        # Batches are gathered on the host, then copied (pinned, non_blocking on CUDA) to the device.
         self.x = torch.from_numpy(np.array(train.features, copy=True))
         self.y = torch.from_numpy(np.array(train.labels, copy=True))
         self.start_epoch = 0
+        self.resumed_from_epoch: int | None = None
         self.best_bacc = -1.0
         self.best_epoch = -1
         self.best_state: dict[str, torch.Tensor] | None = None
@@ -175,13 +218,19 @@ class Trainer:
         return {k: getattr(self.cfg, k) for k in RESUME_KEYS} | {"data_hash": self.data.data_hash}
 
     def maybe_resume(self) -> None:
-        if not self.cfg.resume:
+        # torchrun's elastic restarts (--max-restarts) relaunch every worker: they continue from the
+        # checkpoint as if --resume had been given.
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if not self.cfg.resume and restarts == 0:
             return
-        state = load_checkpoint(self.cfg.checkpoint_dir)
+        # Each rank reads its node's view of the directory; all take the newest (see checkpoint.py).
+        state = load_newest_checkpoint(self.cfg.checkpoint_dir, self.world, self.device)
         if state is None:
             if self.rank == 0:
                 logger.warning(
-                    "--resume given but %s has no checkpoint; starting from epoch 0", self.cfg.checkpoint_dir
+                    "resume asked for (--resume or restart %d) but %s has no checkpoint; starting from epoch 0",
+                    restarts,
+                    self.cfg.checkpoint_dir,
                 )
             return
         saved = state["signature"]
@@ -196,6 +245,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.balancer.load_state_dict(state["balancer"])
         self.start_epoch = int(state["epoch"]) + 1
+        self.early_stop.load_state_dict(state["early_stop"])
+        self.resumed_from_epoch = int(state["epoch"])
         self.best_bacc, self.best_epoch = state["best_bacc"], state["best_epoch"]
         self.best_state, self.stale_epochs, self.history = (
             state["best_state"],
@@ -220,6 +271,7 @@ class Trainer:
                     "best_state": self.best_state,
                     "stale_epochs": self.stale_epochs,
                     "history": self.history,
+                    "early_stop": self.early_stop.state_dict(),
                     "signature": self._resume_signature(),
                 },
             )
@@ -243,22 +295,26 @@ class Trainer:
                 yield local, len(local) * self.world
 
     def _step(self, idx: np.ndarray, global_n: int, epoch: int, step: int) -> tuple[float, StepRecord]:
-        t0 = time.monotonic()
+        clock = self.clock
+        clock.start()
         index = torch.from_numpy(idx)
-        xb, yb = self.x.index_select(0, index), self.y.index_select(0, index)
-        t1 = time.monotonic()
-        self.hook.step_start = t1
-        with _autocast(self.cfg.precision):
+        xb = gather_batch(self.x, index, self.placement)
+        yb = gather_batch(self.y, index, self.placement)
+        if self.input_noise > 0:
+            # Noise in standardised units smooths the boundary around a rare class's few rows.
+            xb = xb + self.input_noise * self.model.feature_std * torch.randn_like(xb)
+        clock.mark("batch_ready")
+        with autocast(self.placement):
             logits = self.ddp(xb)
         # sum * world / global batch: with DDP's mean all-reduce the update is the global-batch mean.
-        loss = self.loss_fn(logits, yb).sum() * (self.world / global_n)
+        # The loss is taken in fp32: logit adjustment adds log-priors that fp16 would round.
+        loss = self.loss_fn(logits.float(), yb).sum() * (self.world / global_n)
         self.scaler.scale(loss).backward()
-        t2 = time.monotonic()
         if self.world == 1:
             if self.hook.slow_factor > 1:
-                time.sleep((self.hook.slow_factor - 1) * (t2 - t1))
-                t2 = time.monotonic()
-            self.hook.compute_end = t2
+                time.sleep((self.hook.slow_factor - 1) * clock.since("batch_ready"))
+            clock.mark("compute_end")
+        clock.mark("backward_end")
         self.scaler.unscale_(self.optimizer)
         if self.cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
@@ -266,13 +322,20 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        t3 = time.monotonic()
-        compute = (self.hook.compute_end - t1) + (t3 - t2)
+        clock.mark("step_end")
+        compute = clock.seconds("batch_ready", "compute_end") + clock.seconds("backward_end", "step_end")
         rec = StepRecord(
-            self.rank, epoch, step, len(idx), compute, t1 - t0, t2 - self.hook.compute_end, t3 - t0
+            self.rank,
+            epoch,
+            step,
+            len(idx),
+            compute,
+            clock.seconds("start", "batch_ready"),
+            clock.seconds("compute_end", "backward_end"),
+            clock.seconds("start", "step_end"),
         )
         if self.balancer.enabled:
-            self.balancer.gather_and_observe(rec.compute_s)
+            self.balancer.observe(_all_gather_floats([rec.compute_s], self.world, self.device)[:, 0])
         return float(loss.detach()) * global_n / self.world / max(1, len(idx)), rec
 
     def fit(self) -> dict[str, Any]:
@@ -280,8 +343,8 @@ class Trainer:
         self.maybe_resume()
         bar = None
         if self.rank == 0 and cfg.progress:
-            bar = EpochProgress(cfg.epochs, self.steps_per_epoch, self.start_epoch, sys.stderr)
-        for epoch in range(self.start_epoch, cfg.epochs):
+            bar = EpochProgress(self.budget.epochs, self.steps_per_epoch, self.start_epoch, sys.stderr)
+        for epoch in range(self.start_epoch, self.budget.epochs):
             # Per-epoch seeding makes dropout masks a function of (seed, epoch, rank): resume replays exactly.
             torch.manual_seed(cfg.seed * 100_003 + epoch * 101 + self.rank)
             self.monitor.start_epoch()
@@ -295,11 +358,13 @@ class Trainer:
                 if bar is not None:
                     bar.step()
             wall = time.monotonic() - start
-            val = evaluate(self.model, self.data.val, self.data.classes)
-            improved = val["balanced_accuracy"] > self.best_bacc
+            val = evaluate(self.model, self.data.val, self.data.classes, self.device)
+            steps_done = (epoch + 1) * self.steps_per_epoch
+            improved, stop = self.early_stop.observe(steps_done, val["balanced_accuracy"])
             if improved:
                 self.best_bacc, self.best_epoch, self.stale_epochs = val["balanced_accuracy"], epoch, 0
-                self.best_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                if self.budget.select_best:
+                    self.best_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             else:
                 self.stale_epochs += 1
             summary = self.monitor.finish_epoch(
@@ -308,6 +373,7 @@ class Trainer:
                 {
                     "train_loss": round(loss_sum / self.steps_per_epoch, 5),
                     "val_balanced_accuracy": round(val["balanced_accuracy"], 5),
+                    "val_balanced_accuracy_smoothed": round(self.early_stop.smoothed or 0.0, 5),
                     "val_macro_f1": round(val["macro_f1"], 5),
                     "rank_shares": [round(float(s), 4) for s in self.balancer.shares()],
                 },
@@ -317,13 +383,17 @@ class Trainer:
                 bar.end_epoch(
                     epoch, summary["train_loss"], val["balanced_accuracy"], summary["imbalance_ratio"]
                 )
-            self._checkpoint(epoch)
-            if cfg.patience is not None and self.stale_epochs >= cfg.patience:
+            last = epoch == self.budget.epochs - 1 or stop
+            if last or (epoch + 1) % self.budget.checkpoint_every_epochs == 0:
+                self._checkpoint(epoch)
+            if stop:
                 if self.rank == 0:
                     logger.info(
-                        "early stop at epoch %d: val balanced accuracy has not improved for %d epochs",
+                        "early stop at epoch %d (step %d): smoothed val balanced accuracy has not "
+                        "improved for %s steps",
                         epoch,
-                        cfg.patience,
+                        steps_done,
+                        self.budget.patience_steps,
                     )
                 break
         if bar is not None:
@@ -340,12 +410,16 @@ class Trainer:
             return {}
         if self.best_state is not None:
             self.model.load_state_dict(self.best_state)
+        self.model.to("cpu")  # the artifact holds CPU weights whatever device trained them
         metrics = {"val": evaluate(self.model, self.data.val, self.data.classes)}
         if self.data.test is not None:
             metrics["test"] = evaluate(self.model, self.data.test, self.data.classes)
         epochs = self.history
         summary = {
             "epochs_run": len(epochs),
+            "steps_run": len(epochs) * self.steps_per_epoch,
+            "budget": self.budget.reason,
+            "input_noise": round(self.input_noise, 4),
             "best_epoch": self.best_epoch,
             "mean_epoch_wall_s": float(np.mean([e["wall_s"] for e in epochs])) if epochs else 0.0,
             "mean_imbalance_ratio": float(np.mean([e["imbalance_ratio"] for e in epochs])) if epochs else 1.0,
@@ -373,7 +447,13 @@ class Trainer:
                 "data_hash": self.data.data_hash,
                 "seed": self.cfg.seed,
                 "world_size": self.world,
-                "precision": self.cfg.precision,
+                "precision": self.placement.precision,
+                "device": self.placement.device_type,
+                "device_name": (
+                    torch.cuda.get_device_name(self.device) if self.placement.device_type == "cuda" else "cpu"
+                ),
+                "nnodes": self.cfg.nnodes,
+                "resumed_from_epoch": self.resumed_from_epoch,
                 "loss": self.cfg.loss,
                 "tau": self.cfg.tau,
                 "sampler_q": self.cfg.sampler_q,
