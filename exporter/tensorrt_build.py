@@ -131,8 +131,12 @@ def build_plans(
     for cc, (device, gpu_name) in gpus.items():
         filename = plan_filename(cc, several)
         # TensorRT builds for the current CUDA device: select it for this capability.
+        # Kernel timings are per GPU model: one timing cache per capability, so a repository shared
+        # by hosts with different GPUs never hands TensorRT a cache measured elsewhere.
+        major, minor = capability_tuple(cc)
+        cache = timing_cache.with_name(f"{timing_cache.name}.sm{major}{minor}")
         with torch.cuda.device(device):
-            plan = build_plan(onnx_path, out_dir / filename, n_features, max_batch, fp16, timing_cache, opts)
+            plan = build_plan(onnx_path, out_dir / filename, n_features, max_batch, fp16, cache, opts)
             check(filename, plan)
         record.plans.append(PlanRecord(file=filename, gpu=gpu_name, compute_capability=cc))
     return record
@@ -171,7 +175,9 @@ def build_plan(
     if opts.hardware_compatibility == "ampere_plus":
         config.hardware_compatibility_level = trt.HardwareCompatibilityLevel.AMPERE_PLUS
     cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
-    config.set_timing_cache(cache, ignore_mismatch=False)
+    if not config.set_timing_cache(cache, ignore_mismatch=False):
+        logger.warning("TensorRT rejected the timing cache %s; building without it", timing_cache)
+        config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
     profile = builder.create_optimization_profile()
     opt = max(1, min(max_batch, 32))
     profile.set_shape(INPUT_NAME, (1, n_features), (opt, n_features), (max_batch, n_features))

@@ -514,6 +514,7 @@ def rollout_command(
     for r in done:
         say(
             f"{r.server}: version {version} ready in {r.ready_s:.1f}s, canary max |Δp| {r.canary_max_abs_error:.1e} "
+            f"(limit {r.canary_limit:.0e}, {'GPU' if r.gpu else 'CPU'}) "
             f"(was serving {', '.join(r.previous_versions) or 'nothing'})"
         )
 
