@@ -8,6 +8,8 @@ the server reports.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,19 @@ def test_plan_version_is_refused_by_what_the_server_reports(
                 server_tensorrt=None if reported == TARGET.triton_version else "10.5.0",
             )
         assert [m for m in client.get_model_repository_index() if m.get("state") == "READY"] == []
+        # the command's options reach the check: with the server's TensorRT stated as the plan's own,
+        # only the stated GPU capability is left to refuse it
+        res = subprocess.run(
+            [sys.executable, "-m", "skewserve.cli", "rollout", "lt", "--version", "2", "--repo", str(repo),
+             "--servers", cold.http_url, "--server-tensorrt", "10.3.0", "--gpu-capability", "7.5"],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert "rollout failed:" in res.stdout and "refusing to roll out lt version 2" in res.stdout
+        assert (
+            "the version has plans for compute capability 8.6, but the server's GPU has compute capability 7.5"
+            in res.stdout
+        )
 
         # warm serves lt with the local CPU profile (Python backend on model.onnx): plans do not apply,
         # and its canary is held to the CPU limit the card states
