@@ -111,3 +111,13 @@ bench-gateway: setup
 
 clean:
 	rm -rf $(VENV) $(VENV_LATEST) $(TOOLS) runs demo-output .pytest_cache
+
+# What only a CUDA GPU can show (scripts/gpu_check.py, under 8 minutes on one GPU): CUDA training in bf16
+# and fp16, TensorRT FP32/FP16 plans with parity, TorchScript and the ONNX Runtime CUDA provider, and the
+# tests marked `gpu`. Not tied to `setup`, which installs the CPU build of torch: run it with an interpreter
+# holding a CUDA torch, the `gpu` extra and onnxruntime-gpu instead of onnxruntime (README, "GPU check").
+# Without a usable GPU it exits 3 and says why.
+GPU_PYTHON ?= $(BIN)/python
+.PHONY: gpu-check
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py

@@ -242,8 +242,15 @@ def publish_version(
     model_files: dict[str, str],
     version: int | None = None,
     client: Any | None = None,
+    allow_backend_change: bool = False,
 ) -> Published:
-    """Upload a complete local staging folder as the next (or given) version; see the module doc."""
+    """Upload a complete local staging folder as the next (or given) version; see the module doc.
+
+    The model's serving backend is kept in `<model>/serving_backend.json` as on disk
+    (exporter/backend.py); it is checked before a version number is claimed.
+    """
+    from exporter.backend import BACKEND_FILE, backend_file_text, check_backend_change_of, parse_backend_file
+
     if not (staging / CARD).is_file():
         raise PublishError(
             f"staging folder {staging} has no {CARD}; refusing to publish an incomplete version"
@@ -252,6 +259,20 @@ def publish_version(
     local_key = f"configs/{LOCAL_PROFILE}.pbtxt"
     if local_key in model_files:
         _check_compatible(client, repo, name, model_files[local_key])
+    if "config.pbtxt" in model_files:
+        old_text = _read(client, repo, name, BACKEND_FILE)
+        old = parse_backend_file(old_text.decode(), f"{repo.url}/{name}/{BACKEND_FILE}") if old_text else None
+        complete = published_versions(repo, name, client)
+        files_of = {v: set(_keys(client, repo.bucket, repo.key(name, v) + "/")) for v in complete}
+        backend = check_backend_change_of(
+            name,
+            old,
+            model_files["config.pbtxt"],
+            complete,
+            allow_backend_change,
+            lambda v, filename: repo.key(name, v, filename) in files_of.get(v, set()),
+        )
+        model_files = {BACKEND_FILE: backend_file_text(backend), **model_files}
     version = _claim(client, repo, name, version)
     files = sorted((p for p in staging.rglob("*") if p.is_file()), key=lambda p: (p.name == CARD, str(p)))
     for path in files:  # the card last: it marks the version complete
@@ -291,5 +312,13 @@ def export_to_object_store(
             rel: (model_dir / rel).read_text() for rel in MODEL_FILE_ORDER if (model_dir / rel).is_file()
         }
         with store_errors(repo):
-            published = publish_version(repo, name, result.published.path, model_files, version, client)
+            published = publish_version(
+                repo,
+                name,
+                result.published.path,
+                model_files,
+                version,
+                client,
+                allow_backend_change=bool(kwargs.get("change_backend", False)),
+            )
     return replace(result, published=replace(published, path=Path(f"{repo.url}/{name}/{published.version}")))

@@ -19,6 +19,11 @@ from exporter.errors import ParityError
 from exporter.graph import ServingModule
 
 TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2}
+# TF32 keeps 10 mantissa bits (unit round-off 2**-11 ~ 4.9e-4 per product, NVIDIA's Ampere TF32
+# note); through the MLP's matmuls and the softmax that stays well under 5e-3 on probabilities.
+# Used where TF32 may be on: FP32 plans built with --trt-tf32, and the onnxruntime backend on GPU
+# servers (ONNX Runtime's CUDA provider enables TF32 by default, `use_tf32`).
+TF32_TOLERANCE = 5e-3
 MIN_AGREEMENT = 0.999
 
 Runner = Callable[[np.ndarray], dict[str, np.ndarray]]
@@ -76,12 +81,19 @@ def torch_runner(module: ServingModule) -> Runner:
     return run
 
 
-def onnxruntime_runner(model_bytes: bytes) -> Runner:
+def onnxruntime_runner(model_bytes: bytes, provider: str = "CPUExecutionProvider") -> Runner:
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
-    session = ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"])
+    available = ort.get_available_providers()
+    if provider not in available:
+        raise RuntimeError(
+            f"ONNX Runtime here has no {provider} (it has {', '.join(available)}); for CUDA install "
+            "onnxruntime-gpu in place of onnxruntime (README, 'Export for a GPU fleet')"
+        )
+    # Pinning the one provider: ONNX Runtime must not fall back to the CPU behind our back.
+    session = ort.InferenceSession(model_bytes, opts, providers=[provider])
     names = [o.name for o in session.get_outputs()]
 
     def run(x: np.ndarray) -> dict[str, np.ndarray]:
@@ -90,8 +102,42 @@ def onnxruntime_runner(model_bytes: bytes) -> Runner:
     return run
 
 
+def gpu_canary_tolerance(
+    backend: str, precision: str, ort_tensorrt: str = "off", tf32: bool = False
+) -> float:
+    """The stated limit for a GPU server's canary against the exporter's CPU reference outputs.
+
+    FP16 anywhere (the model, a plan, the onnxruntime TensorRT accelerator) -> the FP16 limit; the
+    onnxruntime backend on GPU or a plan built with TF32 -> the TF32 limit; FP32 plans (TF32 off)
+    and TorchScript on libtorch (torch keeps TF32 matmuls off by default) -> the FP32 limit.
+    """
+    if precision == "fp16" or ort_tensorrt == "fp16":
+        return TOLERANCE["fp16"]
+    if backend == "onnxruntime" or tf32:
+        return TF32_TOLERANCE
+    return TOLERANCE["fp32"]
+
+
+def torchscript_runner(path: str, device: str = "cpu") -> Runner:
+    """Run a saved TorchScript serving module as Triton's libtorch backend would (fresh load)."""
+    module = torch.jit.load(path, map_location=device)
+    module.eval()
+
+    def run(x: np.ndarray) -> dict[str, np.ndarray]:
+        with torch.no_grad():
+            logits, probs, label = module(torch.from_numpy(x).to(device))
+        return {LOGITS: logits.cpu().numpy(), PROBABILITIES: probs.cpu().numpy(), LABEL: label.cpu().numpy()}
+
+    return run
+
+
 def compare(
-    reference: Runner, candidate: Runner, batches: list[np.ndarray], target: str, precision: str
+    reference: Runner,
+    candidate: Runner,
+    batches: list[np.ndarray],
+    target: str,
+    precision: str,
+    tolerance: float | None = None,
 ) -> ParityReport:
     err_p = err_l = 0.0
     agree = total = 0
@@ -101,7 +147,7 @@ def compare(
         err_l = max(err_l, float(np.abs(want[LOGITS] - got[LOGITS].astype(np.float32)).max()))
         agree += int((want[LABEL].reshape(-1) == got[LABEL].reshape(-1)).sum())
         total += len(x)
-    tol = TOLERANCE[precision]
+    tol = TOLERANCE[precision] if tolerance is None else tolerance
     agreement = agree / max(1, total)
     return ParityReport(
         target=target,

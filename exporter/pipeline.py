@@ -9,7 +9,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -18,14 +18,31 @@ from exporter.contract import LABELS_FILE, ServingContract
 from exporter.errors import ExportError
 from exporter.graph import ServingModule
 from exporter.onnx_export import OPSET, convert_fp16, export_onnx
-from exporter.parity import ParityReport, compare, onnxruntime_runner, parity_rows, require, torch_runner
+from exporter.parity import (
+    TF32_TOLERANCE,
+    TOLERANCE,
+    ParityReport,
+    Runner,
+    compare,
+    gpu_canary_tolerance,
+    onnxruntime_runner,
+    parity_rows,
+    require,
+    torch_runner,
+    torchscript_runner,
+)
 from exporter.publish import CARD, Published, new_staging_dir, publish_version
 from exporter.target import TARGET
 from exporter.triton_config import LOCAL_PROFILE, ConfigOptions, gpu_config, local_config, render
+
+if TYPE_CHECKING:
+    from exporter.tensorrt_build import TensorRTOptions
 from training.artifact import load_model
 
 logger = logging.getLogger(__name__)
 LOCAL_RUNNER = Path(__file__).with_name("local_backend_model.py")
+LOCAL_TORCH_RUNNER = Path(__file__).with_name("local_torch_model.py")
+FORMATS = ("onnx", "torchscript")
 CANARY_ROWS = 8
 
 
@@ -53,6 +70,40 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _use_tensorrt(
+    mode: str, fmt: str, kept: str | None, change_backend: bool, opts: ConfigOptions, notices: list[str]
+) -> bool:
+    """Whether this export builds plans: the model's recorded backend decides `auto`, not the host."""
+    from exporter.tensorrt_build import resolve_mode, tensorrt_unavailable_reason
+
+    if mode not in {"auto", "on", "off"}:
+        raise ExportError(f"--tensorrt must be auto, on or off, got {mode!r}")
+    if fmt == "torchscript":
+        if mode == "on":
+            raise ExportError("--tensorrt on builds a plan from ONNX; use --format onnx (or --tensorrt off)")
+        return False
+    if mode != "auto":
+        return resolve_mode(mode)
+    if opts.ort_tensorrt != "off":
+        return False  # the onnxruntime backend with its own TensorRT accelerator
+    if kept == "onnxruntime" and not change_backend:
+        if tensorrt_unavailable_reason() is None:
+            notices.append(
+                "TensorRT plan not built: the model serves with onnxruntime (serving_backend.json); "
+                "--tensorrt on --change-backend switches it"
+            )
+        return False
+    if kept == "tensorrt" and not change_backend:
+        reason = tensorrt_unavailable_reason()
+        if reason is not None:
+            raise ExportError(
+                f"the model serves TensorRT plans (serving_backend.json), but this host cannot build one: "
+                f"{reason}. Export on a GPU host with the gpu extra, or pass --tensorrt off --change-backend"
+            )
+        return True
+    return resolve_mode("auto")
+
+
 def export_artifact(
     artifact: Path,
     repo: Path | str,
@@ -61,86 +112,135 @@ def export_artifact(
     precision: str = "fp32",
     tensorrt: str = "auto",
     options: ConfigOptions | None = None,
+    fmt: str = "onnx",
+    trt_options: TensorRTOptions | None = None,
+    change_backend: bool = False,
 ) -> ExportResult:
     """Export, verify and publish one version; nothing becomes visible unless every check passed.
 
-    `repo` is a folder, or `s3://bucket/prefix` for a repository on object storage.
+    `repo` is a folder, or `s3://bucket/prefix` for a repository on object storage. `fmt` is `onnx`
+    (onnxruntime backend, or TensorRT plans built from the ONNX graph) or `torchscript` (libtorch).
     """
+    from exporter.backend import recorded_backend
     from exporter.object_store import export_to_object_store, is_object_store_url
-    from exporter.tensorrt_build import build_plan, resolve_mode, tensorrt_runner
+    from exporter.tensorrt_build import TensorRTOptions, build_plans, tensorrt_runner
 
     if is_object_store_url(repo):
         return export_to_object_store(
             export_artifact, artifact, str(repo), name, version,
-            precision=precision, tensorrt=tensorrt, options=options,
+            precision=precision, tensorrt=tensorrt, options=options, fmt=fmt,
+            trt_options=trt_options, change_backend=change_backend,
         )  # fmt: skip
 
     if precision not in ("fp32", "fp16"):
         raise ExportError(f"--precision must be fp32 or fp16, got {precision!r}")
+    if fmt not in FORMATS:
+        raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt == "torchscript" and precision != "fp32":
+        raise ExportError("--format torchscript exports FP32 only; use --format onnx for --precision fp16")
     if not name or not all(c.isalnum() or c in "-_" for c in name):
         raise ExportError(
             f"model name {name!r} must be letters, digits, '-' or '_' (it becomes a folder and a URL part)"
         )
     opts = options or ConfigOptions()
-    use_trt = resolve_mode(tensorrt)
+    trt_opts = trt_options or TensorRTOptions()
+    model_dir = Path(repo) / name
+    notices: list[str] = []
+    use_trt = _use_tensorrt(tensorrt, fmt, recorded_backend(model_dir), change_backend, opts, notices)
+    if use_trt and opts.ort_tensorrt != "off":
+        raise ExportError(
+            "--ort-tensorrt configures the onnxruntime backend, but this export builds TensorRT plans: "
+            "pass --tensorrt off with --ort-tensorrt"
+        )
+    backend = "pytorch" if fmt == "torchscript" else "tensorrt" if use_trt else "onnxruntime"
     model, meta = load_model(artifact)
     contract = ServingContract.from_metadata(meta)
     module = ServingModule(model)
-    model_dir = Path(repo) / name
     staging = new_staging_dir(model_dir)
     try:
         started = time.monotonic()
-        fp32 = export_onnx(module, contract, staging / "model.onnx", opts.max_batch_size)
         val_rows, rows_note = _validation_rows(meta)
         batches = parity_rows(meta, val_rows, opts.max_batch_size)
         reference = torch_runner(module)
-        reports = [
-            require(
-                compare(
-                    reference, onnxruntime_runner(fp32.SerializeToString()), batches, "onnxruntime", "fp32"
-                )
-            )
-        ]
-        served = fp32
-        if precision == "fp16":
-            served = convert_fp16(fp32, staging / "model.onnx")
+        reports: list[ParityReport] = []
+        trt_record = None
+        cc_plans: dict[str, str] = {}
+        if fmt == "torchscript":
+            from exporter.torchscript_export import export_torchscript
+
+            export_torchscript(module, contract, staging / "model.pt")
+            served: Runner = torchscript_runner(str(staging / "model.pt"))
+            reports.append(require(compare(reference, served, batches, "torchscript", "fp32")))
+            ir_version = None
+            shutil.copy2(LOCAL_TORCH_RUNNER, staging / "model.py")
+        else:
+            fp32 = export_onnx(module, contract, staging / "model.onnx", opts.max_batch_size)
             reports.append(
                 require(
                     compare(
                         reference,
-                        onnxruntime_runner(served.SerializeToString()),
+                        onnxruntime_runner(fp32.SerializeToString()),
                         batches,
                         "onnxruntime",
-                        "fp16",
+                        "fp32",
                     )
                 )
             )
-        ort_served = onnxruntime_runner(served.SerializeToString())
-        if use_trt:
-            plan = build_plan(
-                staging / "model.onnx",
-                staging / "model.plan",
-                contract.n_features,
-                opts.max_batch_size,
-                fp16=precision == "fp16",
-                timing_cache=Path(repo) / ".tensorrt_timing_cache",
-            )
-            reports.append(
-                require(compare(ort_served, tensorrt_runner(plan), batches, "tensorrt", precision))
-            )
-        shutil.copy2(LOCAL_RUNNER, staging / "model.py")
+            served_onnx = fp32
+            if precision == "fp16":
+                served_onnx = convert_fp16(fp32, staging / "model.onnx")
+                reports.append(
+                    require(
+                        compare(
+                            reference,
+                            onnxruntime_runner(served_onnx.SerializeToString()),
+                            batches,
+                            "onnxruntime",
+                            "fp16",
+                        )
+                    )
+                )
+            served = onnxruntime_runner(served_onnx.SerializeToString())
+            ir_version = served_onnx.ir_version
+            if use_trt:
+                # Plans are compared with the PyTorch reference itself, at the precision they compute in.
+                limit = (
+                    TOLERANCE["fp16"] if precision == "fp16" else TF32_TOLERANCE if trt_opts.tf32 else None
+                )
+
+                def check_plan(filename: str, plan: bytes) -> None:
+                    runner = tensorrt_runner(plan, trt_opts.version_compatible)
+                    report = compare(reference, runner, batches, f"tensorrt {filename}", precision, limit)
+                    reports.append(require(report))
+
+                trt_record = build_plans(
+                    staging / "model.onnx",
+                    staging,
+                    contract.n_features,
+                    opts.max_batch_size,
+                    fp16=precision == "fp16",
+                    timing_cache=Path(repo) / ".tensorrt_timing_cache",
+                    opts=trt_opts,
+                    check=check_plan,
+                )
+                cc_plans = {p.compute_capability: p.file for p in trt_record.plans}
+            shutil.copy2(LOCAL_RUNNER, staging / "model.py")
         canary_x = (val_rows[:CANARY_ROWS] if val_rows is not None else batches[0][:CANARY_ROWS]).astype(
             np.float32
         )
-        canary_y = ort_served(canary_x)
+        canary_y = served(canary_x)
+        gpu_tol = gpu_canary_tolerance(backend, precision, opts.ort_tensorrt, trt_opts.tf32)
         card = {
             "name": name,
             "artifact": {"path": str(Path(artifact).resolve()), "metadata": meta},
             "export": {
+                "format": fmt,
+                "backend": backend,
                 "precision": precision,
-                "opset": OPSET,
-                "onnx_ir_version": served.ir_version,
-                "tensorrt": use_trt,
+                "opset": OPSET if fmt == "onnx" else None,
+                "onnx_ir_version": ir_version,
+                # TensorRT version, GPU name and compute capability of every plan, and how it was built.
+                "tensorrt": trt_record.model_dump() if trt_record is not None else None,
                 "serving_target": TARGET.as_dict(),  # the Triton image (and TensorRT) this is built for
                 "max_batch_size": opts.max_batch_size,
                 "options": opts.model_dump(),
@@ -153,18 +253,21 @@ def export_artifact(
             "canary": {
                 "inputs": canary_x.tolist(),
                 "outputs": {k: v.tolist() for k, v in canary_y.items()},
-                "tolerance": reports[-1].tolerance,
+                # CPU servers run the exporter's own runtime; GPU servers get the stated GPU limit.
+                "tolerance": TOLERANCE[precision],
+                "gpu_tolerance": gpu_tol,
             },
         }
         (staging / CARD).write_text(json.dumps(card, indent=2))
         files = {
-            "config.pbtxt": render(gpu_config(name, contract, opts, tensorrt_plan=use_trt)),
-            f"configs/{LOCAL_PROFILE}.pbtxt": render(local_config(name, contract, opts)),
+            "config.pbtxt": render(gpu_config(name, contract, opts, backend=backend, cc_plans=cc_plans)),
+            f"configs/{LOCAL_PROFILE}.pbtxt": render(local_config(name, contract, opts, backend=backend)),
             LABELS_FILE: "\n".join(contract.classes) + "\n",
         }
-        published = publish_version(model_dir, staging, files, version)
+        published = publish_version(model_dir, staging, files, version, allow_backend_change=change_backend)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    notices = [] if use_trt or tensorrt == "off" else ["TensorRT plan skipped (no GPU / tensorrt here)"]
+    if not use_trt and tensorrt == "auto" and fmt == "onnx" and not notices and opts.ort_tensorrt == "off":
+        notices.append("TensorRT plan skipped (no GPU / tensorrt here)")
     return ExportResult(published, reports, use_trt, notices)

@@ -152,12 +152,16 @@ def publish_version(
     staging: Path,
     model_files: dict[str, str],
     version: int | None = None,
+    allow_backend_change: bool = False,
 ) -> Published:
     """Rename a complete staging folder into `<model_dir>/<version>` and write model-level files.
 
     `model_files` maps paths relative to the model folder (config.pbtxt, configs/local.pbtxt,
-    labels.txt) to their text.
+    labels.txt) to their text. The GPU config's backend is kept per model (`exporter/backend.py`):
+    a publish that changes it is refused unless `allow_backend_change`.
     """
+    from exporter.backend import BACKEND_FILE, backend_file_text, check_backend_change
+
     if not (staging / CARD).is_file():
         raise PublishError(
             f"staging folder {staging} has no {CARD}; refusing to publish an incomplete version"
@@ -166,6 +170,11 @@ def publish_version(
     with model_lock(model_dir):
         if local_key in model_files:
             _check_compatible(model_dir, model_files[local_key])
+        if "config.pbtxt" in model_files:
+            backend = check_backend_change(
+                model_dir, model_files["config.pbtxt"], published_versions(model_dir), allow_backend_change
+            )
+            model_files = {**model_files, BACKEND_FILE: backend_file_text(backend)}
         taken = published_versions(model_dir) + [int(p.name) for p in model_dir.iterdir() if p.name.isdigit()]
         if version is None:
             version = max(taken, default=0) + 1

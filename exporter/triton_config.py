@@ -1,11 +1,14 @@
 """Triton model configs, built as `ModelConfig` protobufs and rendered to text, never hand-typed.
 
-Two profiles per model: `config.pbtxt` for GPU servers (NGC container; onnxruntime backend, or the
-TensorRT plan) and `configs/local.pbtxt` for the local CPU server, selected with
-`tritonserver --model-config-name=local` (Python backend running the same model.onnx).
+Two profiles per model: `config.pbtxt` for GPU servers (NGC container; the onnxruntime backend,
+optionally with its TensorRT execution accelerator, TensorRT plans, or a TorchScript model on
+libtorch) and `configs/local.pbtxt` for the local CPU server, selected with
+`tritonserver --model-config-name=local` (Python backend running the same model.onnx or model.pt).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from google.protobuf import text_format
 from pydantic import BaseModel, Field
@@ -14,6 +17,10 @@ from tritonclient.grpc import model_config_pb2 as mc
 from exporter.contract import ServingContract, TensorSpec
 
 LOCAL_PROFILE = "local"
+# Triton's backend names: what a model's GPU profile runs on (exporter/backend.py keeps it per model).
+ServingBackend = Literal["onnxruntime", "tensorrt", "pytorch"]
+BACKENDS: tuple[str, ...] = ("onnxruntime", "tensorrt", "pytorch")
+MODEL_FILES = {"onnxruntime": "model.onnx", "tensorrt": "model.plan", "pytorch": "model.pt"}
 _DTYPES = {"FP32": mc.TYPE_FP32, "FP16": mc.TYPE_FP16, "INT64": mc.TYPE_INT64}
 
 
@@ -27,6 +34,16 @@ class ConfigOptions(BaseModel):
     response_cache: bool = False
     warmup_batch: int = Field(default=8, ge=1)
     ort_threads: int = Field(default=1, ge=1)
+    ort_tensorrt: Literal["off", "fp32", "fp16"] = Field(
+        default="off",
+        description="onnxruntime backend on GPU: run the graph through its TensorRT execution accelerator "
+        "at this precision (precision_mode), engines cached on the server",
+    )
+    ort_tensorrt_cache_dir: str = Field(
+        default="/tmp/skewserve-ort-trt-cache",
+        description="server-side folder for the accelerator's engine cache (trt_engine_cache_path/<model>)",
+    )
+    ort_tensorrt_workspace_bytes: int = Field(default=1 << 30, ge=1 << 20)
 
 
 def _tensors(container: object, specs: tuple[TensorSpec, ...]) -> None:
@@ -57,25 +74,87 @@ def _common(name: str, contract: ServingContract, opts: ConfigOptions) -> mc.Mod
     return cfg
 
 
+def _ort_tensorrt_accelerator(cfg: mc.ModelConfig, name: str, opts: ConfigOptions) -> None:
+    """The onnxruntime backend's TensorRT execution accelerator, as its README writes it.
+
+    `optimization { execution_accelerators { gpu_execution_accelerator [{ name: "tensorrt" ...}] } }`
+    with `precision_mode`, `max_workspace_size_bytes`, `trt_engine_cache_enable` and
+    `trt_engine_cache_path` (triton-inference-server/onnxruntime_backend, "ONNX Runtime with
+    TensorRT optimization"); nodes TensorRT cannot run fall back to the CUDA provider.
+    """
+    acc = cfg.optimization.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
+    acc.parameters["precision_mode"] = opts.ort_tensorrt.upper()
+    acc.parameters["max_workspace_size_bytes"] = str(opts.ort_tensorrt_workspace_bytes)
+    acc.parameters["trt_engine_cache_enable"] = "1"
+    # One folder per model: engines of different models never share cache entries.
+    acc.parameters["trt_engine_cache_path"] = f"{opts.ort_tensorrt_cache_dir.rstrip('/')}/{name}"
+
+
 def gpu_config(
-    name: str, contract: ServingContract, opts: ConfigOptions, tensorrt_plan: bool
+    name: str,
+    contract: ServingContract,
+    opts: ConfigOptions,
+    tensorrt_plan: bool = False,
+    *,
+    backend: str | None = None,
+    cc_plans: dict[str, str] | None = None,
 ) -> mc.ModelConfig:
+    """The GPU profile. `cc_plans` maps compute capability ("8.6") to plan file when several are built."""
+    backend = backend or ("tensorrt" if tensorrt_plan else "onnxruntime")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if opts.ort_tensorrt != "off" and backend != "onnxruntime":
+        raise ValueError(
+            f"ort_tensorrt={opts.ort_tensorrt} configures the onnxruntime backend, but this model serves "
+            f"with {backend}: drop --ort-tensorrt or export ONNX without a TensorRT plan (--tensorrt off)"
+        )
     cfg = _common(name, contract, opts)
-    if tensorrt_plan:
+    if backend == "tensorrt":
         cfg.platform = "tensorrt_plan"
-        cfg.default_model_filename = "model.plan"
+        files = list((cc_plans or {}).values())
+        cfg.default_model_filename = files[0] if files else MODEL_FILES["tensorrt"]
+        if len(files) > 1:
+            # Triton picks the file named for the GPU's compute capability, else the default.
+            for cc, filename in (cc_plans or {}).items():
+                cfg.cc_model_filenames[cc] = filename
+    elif backend == "pytorch":
+        cfg.platform = "pytorch_libtorch"
+        cfg.default_model_filename = MODEL_FILES["pytorch"]
     else:
         cfg.backend = "onnxruntime"
-        cfg.default_model_filename = "model.onnx"
+        cfg.default_model_filename = MODEL_FILES["onnxruntime"]
+        if opts.ort_tensorrt != "off":
+            _ort_tensorrt_accelerator(cfg, name, opts)
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=opts.gpu_instances)
     return cfg
 
 
-def local_config(name: str, contract: ServingContract, opts: ConfigOptions) -> mc.ModelConfig:
+def required_files(cfg: mc.ModelConfig) -> set[str]:
+    """Files a version folder must hold for Triton to load it with this GPU config."""
+    return {cfg.default_model_filename, *cfg.cc_model_filenames.values()} - {""}
+
+
+def backend_of(cfg: mc.ModelConfig) -> str:
+    """Triton's backend name for a GPU config (platform names map onto their backends)."""
+    by_platform = {
+        "tensorrt_plan": "tensorrt",
+        "pytorch_libtorch": "pytorch",
+        "onnxruntime_onnx": "onnxruntime",
+    }
+    return cfg.backend or by_platform.get(cfg.platform, cfg.platform)
+
+
+def local_config(
+    name: str, contract: ServingContract, opts: ConfigOptions, backend: str = "onnxruntime"
+) -> mc.ModelConfig:
+    """The CPU profile: the Python backend runs model.onnx (ONNX Runtime) or model.pt (torch)."""
     cfg = _common(name, contract, opts)
     cfg.backend = "python"
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=opts.cpu_instances)
-    cfg.parameters["onnx_file"].string_value = "model.onnx"
+    if backend == "pytorch":
+        cfg.parameters["torchscript_file"].string_value = MODEL_FILES["pytorch"]
+    else:
+        cfg.parameters["onnx_file"].string_value = MODEL_FILES["onnxruntime"]
     cfg.parameters["intra_op_threads"].string_value = str(opts.ort_threads)
     return cfg
 

@@ -370,13 +370,55 @@ def export_command(
         64, "--max-batch", min=1, help="Triton max_batch_size and parity batch range."
     ),
     response_cache: bool = typer.Option(
-        False, "--response-cache", help="Enable Triton's response cache in the configs."
+        False, "--response-cache", help="Enable Triton's response cache in both configs (GPU and local)."
+    ),
+    fmt: str = typer.Option(
+        "onnx", "--format", help="onnx (onnxruntime / TensorRT) | torchscript (pytorch_libtorch)."
+    ),
+    change_backend: bool = typer.Option(
+        False, "--change-backend", help="Allow this version to change the model's serving backend."
+    ),
+    keep_versions: int = typer.Option(2, "--keep-versions", min=1, help="Versions Triton keeps loaded."),
+    ort_tensorrt: str = typer.Option(
+        "off", "--ort-tensorrt", help="off | fp32 | fp16: onnxruntime's TensorRT accelerator on GPU servers."
+    ),
+    ort_tensorrt_cache_dir: str = typer.Option(
+        "/tmp/skewserve-ort-trt-cache", "--ort-tensorrt-cache-dir", help="Engine cache folder on the servers."
+    ),
+    trt_version_compatible: bool = typer.Option(
+        False, "--trt-version-compatible", help="Plans that also load on later TensorRT of the same major."
+    ),
+    trt_hardware_compatibility: str = typer.Option(
+        "none", "--trt-hardware-compatibility", help="none | ampere_plus: one plan for every 8.0+ GPU."
+    ),
+    trt_tf32: bool = typer.Option(
+        False, "--trt-tf32", help="Allow TF32 in FP32 plans (parity limit 5e-3 instead of 1e-4)."
     ),
 ) -> None:
-    """Compile an artifact to ONNX (+ TensorRT on GPU), check parity, publish a new immutable version."""
+    """Compile an artifact to ONNX (+ TensorRT on GPU) or TorchScript, check parity, publish a new immutable version."""
+    from pydantic import ValidationError
+
     from exporter.errors import ExportError
     from exporter.pipeline import export_artifact
+    from exporter.tensorrt_build import TensorRTOptions
     from exporter.triton_config import ConfigOptions
+
+    try:
+        config_options = ConfigOptions(
+            max_batch_size=max_batch,
+            response_cache=response_cache,
+            keep_versions=keep_versions,
+            ort_tensorrt=ort_tensorrt,  # type: ignore[arg-type]
+            ort_tensorrt_cache_dir=ort_tensorrt_cache_dir,
+        )
+        trt_options = TensorRTOptions(
+            version_compatible=trt_version_compatible,
+            hardware_compatibility=trt_hardware_compatibility,  # type: ignore[arg-type]
+            tf32=trt_tf32,
+        )
+    except ValidationError as exc:
+        bad = exc.errors()[0]
+        raise typer.BadParameter(f"{bad['loc'][0]}: {bad['msg']}") from exc
 
     _setup_logging(False)
     # onnx_ir and onnxscript's optimizer log each graph rewrite at INFO: noise for a person exporting.
@@ -391,7 +433,10 @@ def export_command(
                 version=version,
                 precision=precision,
                 tensorrt=tensorrt,
-                options=ConfigOptions(max_batch_size=max_batch, response_cache=response_cache),
+                options=config_options,
+                fmt=fmt,
+                trt_options=trt_options,
+                change_backend=change_backend,
             )
     except (ExportError, FileNotFoundError, ValueError) as exc:
         error(exc)
@@ -423,6 +468,14 @@ def rollout_command(
         "model_repository", "--repo", help="The repository the version was published to: folder or s3://..."
     ),
     ready_timeout: float = typer.Option(60.0, "--ready-timeout"),
+    server_tensorrt: str | None = typer.Option(
+        None, "--server-tensorrt", help="TensorRT version of the servers, when not the pinned Triton image's."
+    ),
+    gpu_capability: str | None = typer.Option(
+        None,
+        "--gpu-capability",
+        help="Compute capabilities of the servers' GPUs, e.g. 8.6,9.0 (TensorRT plans).",
+    ),
 ) -> None:
     """Load a version on running Triton servers one by one, canary-check each, roll back on failure."""
     from exporter.errors import RolloutError
@@ -452,6 +505,8 @@ def rollout_command(
             urls,
             repo if repo.startswith("s3://") else Path(repo),
             ready_timeout_s=ready_timeout,
+            server_tensorrt=server_tensorrt,
+            gpu_capabilities=[c.strip() for c in (gpu_capability or "").split(",") if c.strip()],
         )
     except RolloutError as exc:
         error(exc, label="rollout failed")
@@ -459,6 +514,7 @@ def rollout_command(
     for r in done:
         say(
             f"{r.server}: version {version} ready in {r.ready_s:.1f}s, canary max |Δp| {r.canary_max_abs_error:.1e} "
+            f"(limit {r.canary_limit:.0e}, {'GPU' if r.gpu else 'CPU'}) "
             f"(was serving {', '.join(r.previous_versions) or 'nothing'})"
         )
 
