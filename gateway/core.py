@@ -150,7 +150,8 @@ class Gateway:
                 f"gateway is at its in-flight limit ({self.cfg.limits.max_inflight}); retry later"
             )
         principal = self.auth.authenticate(authorization, api_key)
-        self.auth.check_model(principal, model)
+        if model:  # server-level calls (metadata, all-model statistics) name no model
+            self.auth.check_model(principal, model)
         _ADMITTED.set(model)
         if principal is not None or self.limiter.client_rate > 0:
             await self.limiter.check(principal, client)
