@@ -233,11 +233,14 @@ class Gateway:
         fetch: Callable[[], Awaitable[tuple[T, bytes | None]]],
         decode: Callable[[bytes], T],
         deadline: float | None = None,
+        pinned: str | None = None,
     ) -> tuple[T, str]:
         """Serve from cache or fetch once for all identical in-flight requests; errors are never stored.
 
         `fetch` returns (value, bytes to store or None when the value must not be cached).
         `deadline` is this request's own: waiting behind another identical request ends there.
+        `pinned` (the client's region pin) changes where the fetch goes, not what is stored: it is
+        part of the coalescing key only, so a follower never shares a route it did not ask for.
         """
         assert self.cache is not None
         stored = self.cache.get_now(key) if isinstance(self.cache, MemoryCache) else await self.cache.get(key)
@@ -258,7 +261,8 @@ class Gateway:
         def followed() -> None:  # counted when a follower joins, whatever its own outcome
             self.metrics.coalesced_request(model)
 
-        value, shared = await self.coalescer.run(key, fetch_and_store, deadline, followed)
+        flight = key if pinned is None else f"{key}\0pinned={pinned}"
+        value, shared = await self.coalescer.run(flight, fetch_and_store, deadline, followed)
         return value, "coalesced" if shared else "miss"
 
     # -- introspection ---------------------------------------------------------------------------

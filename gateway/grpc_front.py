@@ -411,7 +411,7 @@ class GrpcFront:
             answered = pb.ModelInferResponse.FromString(raw).model_version
             return raw, (raw if resolved and answered == resolved else None)
 
-        raw, state = await gw.cached(key, model, fetch, lambda b: b, deadline)
+        raw, state = await gw.cached(key, model, fetch, lambda b: b, deadline, pinned)
         if state != "miss":
             raw = _restamp(raw, request_id)
         return raw, (route_box[0] if route_box else None), state

@@ -348,7 +348,7 @@ class HttpFront:
             # Triton moved to a newer version than the health view knew: do not file it under the old one.
             return resp, (_encode_entry(resp) if answered == resolved else None)
 
-        resp, state = await gw.cached(key, model, fetch, _decode_entry, deadline)
+        resp, state = await gw.cached(key, model, fetch, _decode_entry, deadline, pinned)
         if state != "miss" and resp.status == 200:
             resp = restamp_id(resp, request.request_id)
         return resp, (route_box[0] if route_box else None), state
