@@ -9,7 +9,10 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -324,3 +327,47 @@ def test_shared_memory_parameters_are_refused(gw, param: str) -> None:
         with pytest.raises(grpc.RpcError) as info:
             _grpc_infer(channel)(req.SerializeToString(), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and param in info.value.details()
+
+
+# -- 9: gRPC messages held at once are bounded in bytes --------------------------------------------
+def test_grpc_messages_held_at_once_are_bounded_in_bytes(one_triton, make_gateway) -> None:
+    limits = {"max_request_bytes": 150_000, "max_buffered_body_bytes": 200_000}
+    g = make_gateway(
+        gateway_config(
+            one_triton,
+            limits=limits,
+            health={"interval_s": 60.0, "eject_after_failures": 1000},
+            retries={"max_attempts": 1},
+        )
+    )
+    held, other = _grpc_request(), _grpc_request()
+    held.parameters["pad"].string_param = "h" * 120_000
+    other.parameters["pad"].string_param = "o" * 100_000
+    triton = one_triton["us-east"][0]
+    outcome: list[Any] = []
+    with grpc.insecure_channel(g.grpc) as channel:
+        call = _grpc_infer(channel)
+
+        def run_held() -> None:
+            try:
+                outcome.append(call(held.SerializeToString(), timeout=60))
+            except grpc.RpcError as exc:
+                outcome.append(exc)
+
+        os.kill(triton.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        try:
+            thread = threading.Thread(target=run_held, daemon=True)
+            thread.start()
+            deadline = time.monotonic() + 15
+            while g.admin()["inflight"] < 1:  # the held message is in the gateway
+                assert time.monotonic() < deadline, "the held request never arrived"
+                time.sleep(0.02)
+            with pytest.raises(grpc.RpcError) as info:
+                call(other.SerializeToString(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "limits.max_buffered_body_bytes" in info.value.details()
+        finally:
+            os.kill(triton.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        thread.join(60)
+        assert outcome and not isinstance(outcome[0], grpc.RpcError), outcome
+        assert call(other.SerializeToString(), timeout=30).model_name == "lt_nocache"  # bytes given back
