@@ -371,3 +371,59 @@ def test_grpc_messages_held_at_once_are_bounded_in_bytes(one_triton, make_gatewa
         thread.join(60)
         assert outcome and not isinstance(outcome[0], grpc.RpcError), outcome
         assert call(other.SerializeToString(), timeout=30).model_name == "lt_nocache"  # bytes given back
+
+
+# -- 12: IPv6 clients share their /64's bucket; tamper logs are throttled --------------------------
+def test_ipv6_clients_are_limited_per_64_prefix() -> None:
+    import asyncio
+
+    from gateway.config import GatewayConfig
+    from gateway.errors import RateLimited
+    from gateway.limits import RateLimiter, client_key
+    from gateway.metrics import GatewayMetrics
+
+    assert client_key("2001:db8:1:2:aaaa::1") == "2001:db8:1:2::/64"
+    assert client_key("::ffff:10.0.0.7") == "10.0.0.7" and client_key("10.0.0.7") == "10.0.0.7"
+    cfg = GatewayConfig(
+        home_region="a",
+        regions=[{"name": "a", "servers": [{"name": "s", "http": "127.0.0.1:1", "grpc": "127.0.0.1:2"}]}],
+        limits={"per_client_rate_per_s": 0.001, "per_client_burst": 1},
+    )
+
+    async def run() -> None:
+        limiter = RateLimiter(cfg, None, GatewayMetrics())
+        await limiter.check(None, "2001:db8:1:2::1")
+        with pytest.raises(RateLimited, match="2001:db8:1:2::/64"):
+            await limiter.check(None, "2001:db8:1:2:ffff:1:2:3")  # a new address, the same /64
+        await limiter.check(None, "2001:db8:1:3::1")  # another /64: its own bucket
+        assert limiter.tracked_clients() == 2
+
+    asyncio.run(run())
+
+
+def test_tampered_redis_entries_are_counted_but_logged_once_per_interval(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+    import logging
+
+    import redis
+
+    from gateway.cache import RedisCache
+    from gateway.redis_link import RedisLink
+
+    async def run() -> None:
+        link = RedisLink(redis_url, 1.0, 5, 5.0)
+        cache = RedisCache(link, "tamperlog", "s" * 64, 60.0)
+        plain = redis.Redis.from_url(redis_url)
+        for n in range(50):
+            plain.set(f"tamperlog:k{n}", b"x" * 40)  # no valid tag
+        with caplog.at_level(logging.WARNING, logger="gateway.cache"):
+            for n in range(50):
+                assert await cache.get(f"k{n}") is None
+        assert cache.stats.tampered == 50
+        records = [r for r in caplog.records if "integrity check" in r.getMessage()]
+        assert len(records) == 1 and records[0].levelno == logging.ERROR
+        await cache.close()
+
+    asyncio.run(run())
