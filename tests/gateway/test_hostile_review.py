@@ -427,3 +427,38 @@ def test_tampered_redis_entries_are_counted_but_logged_once_per_interval(
         await cache.close()
 
     asyncio.run(run())
+
+
+def test_new_limits_reach_the_code_using_them() -> None:
+    import asyncio
+
+    from gateway.config import GatewayConfig
+    from gateway.core import Gateway
+    from gateway.grpc_front import GrpcFront
+    from gateway.http_front import HttpFront
+    from gateway.server import _uvicorn_config
+
+    cfg = GatewayConfig(
+        home_region="a",
+        regions=[{"name": "a", "servers": [{"name": "s", "http": "127.0.0.1:1", "grpc": "127.0.0.1:2"}]}],
+        limits={
+            "max_tensors": 7,
+            "max_inflate_ratio": 12.5,
+            "header_read_timeout_s": 2.5,
+            "max_connections": 99,
+            "max_request_bytes": 1000,
+            "max_buffered_body_bytes": 3000,
+        },
+    )
+
+    async def run() -> None:
+        gw = Gateway(cfg)
+        http, grpc_front = HttpFront(gw), GrpcFront(gw)
+        assert (http.max_tensors, http.inflate_ratio, http.max_receiving) == (7, 12.5, 3000)
+        assert (grpc_front.max_tensors, grpc_front.max_holding) == (7, 3000)
+        uv = _uvicorn_config(http, cfg)
+        assert uv.http.header_timeout_s == 2.5  # type: ignore[union-attr]
+        assert uv.limit_concurrency == 99
+        await gw.stop()
+
+    asyncio.run(run())
