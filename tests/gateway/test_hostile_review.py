@@ -462,3 +462,40 @@ def test_new_limits_reach_the_code_using_them() -> None:
         await gw.stop()
 
     asyncio.run(run())
+
+
+def test_bytes_a_compressed_body_may_inflate_to_count_against_the_buffer(one_triton, make_gateway) -> None:
+    """Item 2: a request holding an inflated body counts what it may inflate to (1 MiB at least)
+    against limits.max_buffered_body_bytes while it runs."""
+    mib = 1 << 20
+    limits = {"max_request_bytes": mib, "max_buffered_body_bytes": int(1.5 * mib)}
+    g = make_gateway(
+        gateway_config(
+            one_triton,
+            limits=limits,
+            health={"interval_s": 60.0, "eject_after_failures": 1000},
+            retries={"max_attempts": 1},
+        )
+    )
+    packed = gzip.compress(_ok_body(8))
+    triton = one_triton["us-east"][0]
+    outcome: list[int] = []
+
+    def run_held() -> None:
+        outcome.append(_post(g.http, packed, "lt_nocache", [("content-encoding", "gzip")])[0])
+
+    os.kill(triton.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+    try:
+        thread = threading.Thread(target=run_held, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 15
+        while g.admin()["inflight"] < 1:  # the held request is in the gateway, its inflation reserved
+            assert time.monotonic() < deadline, "the held request never arrived"
+            time.sleep(0.02)
+        status, _, raw = _post(g.http, packed, "lt_nocache", [("content-encoding", "gzip")])
+        assert status == 503 and "limits.max_buffered_body_bytes" in _error(raw)
+    finally:
+        os.kill(triton.pid, signal.SIGCONT)  # type: ignore[arg-type]
+    thread.join(60)
+    assert outcome == [200]
+    assert _post(g.http, packed, "lt_nocache", [("content-encoding", "gzip")])[0] == 200  # given back
