@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 from gateway.coalesce import Coalescer
-from gateway.redis_link import RedisLink, RedisUnavailable
+from gateway.redis_link import RedisLink, RedisUnavailable, ThrottledLog
 
 __all__ = ["Coalescer", "MemoryCache", "RedisCache", "ResponseCache", "cache_key", "cache_key_async"]
 
@@ -164,6 +164,9 @@ class RedisCache:
         self.secret = secret.encode()
         self.ttl_ms = int(ttl_s * 1000)
         self.stats = CacheStats()
+        # Every tampered entry is counted (on_tamper); logged at most once per interval, so a
+        # flood of bad entries is no log storm.
+        self.log = ThrottledLog(logger)
         self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(queue_size)
         self._writer: asyncio.Task[None] | None = None
 
@@ -195,7 +198,9 @@ class RedisCache:
             self.stats.tampered += 1
             if self.on_tamper:
                 self.on_tamper()
-            logger.error("redis cache entry %s failed its integrity check; dropped", self._key(key))
+            self.log.error(
+                "tamper", "redis cache entry %s failed its integrity check; dropped", self._key(key)
+            )
             try:
                 await self.link.call("delete", lambda c: c.delete(self._key(key)))
             except RedisUnavailable:

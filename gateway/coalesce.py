@@ -3,7 +3,9 @@
 The first request for a key leads and calls upstream; later identical ones follow and wait for its
 answer. Each follower waits only until its own deadline (then its own 504) and can be cancelled on
 its own. What belongs to the leader alone never reaches the followers: when the leader is cancelled
-or fails on its deadline, the waiting followers try again, and one of them leads. Errors Triton
+or fails before Triton answered (its deadline, its connection or server: RetryableUpstream), the
+waiting followers try again, and one of them leads. Requests pinned to different regions never
+coalesce (`Gateway.cached` puts the pin in the coalescing key). Errors Triton
 gave for the request itself are shared (an identical request gets the identical error).
 The table is bounded in entries: past `max_entries` distinct keys, requests simply run alone.
 """
@@ -15,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from gateway.errors import UpstreamTimeout
+from gateway.errors import RetryableUpstream, UpstreamTimeout
 
 T = TypeVar("T")
 
@@ -84,8 +86,10 @@ class Coalescer:
         self._inflight[key] = fut
         try:
             result = await fn()
-        except (asyncio.CancelledError, UpstreamTimeout):
-            # Cancelled by its own client, or out of its own time: followers must not inherit either.
+        except (asyncio.CancelledError, RetryableUpstream):
+            # Cancelled by its own client, out of its own time, or failed before Triton answered
+            # (a connection, a server, an attempt of its own): followers must inherit none of these,
+            # they try again on their own routes and deadlines.
             fut.set_exception(_LeaderGaveUp())
             fut.exception()  # mark retrieved: nobody may be waiting
             raise

@@ -353,7 +353,35 @@ class AuthConfig(_Strict):
 
 
 class LimitsConfig(_Strict):
-    max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    max_request_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1,
+        description="largest request body (HTTP, after inflating gzip/deflate) or gRPC message; above it 413 / RESOURCE_EXHAUSTED",
+    )
+    max_tensors: int = Field(
+        default=256,
+        ge=1,
+        description="most inputs, outputs, and parameters (per request and per tensor) one request may "
+        "carry, HTTP and gRPC; above it 400 / INVALID_ARGUMENT naming the field",
+    )
+    max_inflate_ratio: float = Field(
+        default=100.0,
+        ge=1,
+        description="a gzip/deflate body may inflate to at most this many times its compressed size "
+        "(and always to 1 MiB); JSON and tensors compress 2-10x, zlib's ceiling is about 1000x",
+    )
+    header_read_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="bound on receiving one HTTP request's headers (from connect, or after the previous "
+        "response); a connection past it is closed",
+    )
+    max_connections: int = Field(
+        default=4096,
+        ge=1,
+        description="HTTP connections (and in-flight requests) the public listener holds at once; "
+        "beyond it new ones get 503 (uvicorn limit_concurrency)",
+    )
     max_batch_size: int = Field(
         default=0, ge=0, description="0 = no gateway limit (Triton still enforces its own)"
     )
@@ -380,9 +408,11 @@ class LimitsConfig(_Strict):
         description="bound on receiving one request's body; a slower upload gets 408 (and holds no in-flight slot meanwhile)",
     )
     max_buffered_body_bytes: int = Field(
-        default=512 * 1024 * 1024,
+        default=128 * 1024 * 1024,
         ge=1,
-        description="bound on the bytes of request bodies being received at once; above it new bytes get 503",
+        description="bound on the request bytes held at once: HTTP bodies being received or inflated, "
+        "gRPC messages being handled; above it 503 / RESOURCE_EXHAUSTED. Keep it well under the "
+        "gateway's memory limit (1 GiB in deploy/k8s)",
     )
 
     @model_validator(mode="after")

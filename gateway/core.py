@@ -226,7 +226,8 @@ class Gateway:
                 f"gateway is at its in-flight limit ({self.cfg.limits.max_inflight}); retry later"
             )
         principal = self.auth.authenticate(authorization, api_key)
-        self.auth.check_model(principal, model)
+        if model:  # server-level calls (metadata, all-model statistics) name no model
+            self.auth.check_model(principal, model)
         _ADMITTED.set(model)
         if principal is not None or self.limiter.client_rate > 0:
             await self.limiter.check(principal, client)
@@ -308,11 +309,14 @@ class Gateway:
         fetch: Callable[[], Awaitable[tuple[T, bytes | None]]],
         decode: Callable[[bytes], T],
         deadline: float | None = None,
+        pinned: str | None = None,
     ) -> tuple[T, str]:
         """Serve from cache or fetch once for all identical in-flight requests; errors are never stored.
 
         `fetch` returns (value, bytes to store or None when the value must not be cached).
         `deadline` is this request's own: waiting behind another identical request ends there.
+        `pinned` (the client's region pin) changes where the fetch goes, not what is stored: it is
+        part of the coalescing key only, so a follower never shares a route it did not ask for.
         """
         assert self.cache is not None
         stored = self.cache.get_now(key) if isinstance(self.cache, MemoryCache) else await self.cache.get(key)
@@ -333,7 +337,8 @@ class Gateway:
         def followed() -> None:  # counted when a follower joins, whatever its own outcome
             self.metrics.coalesced_request(model)
 
-        value, shared = await self.coalescer.run(key, fetch_and_store, deadline, followed)
+        flight = key if pinned is None else f"{key}\0pinned={pinned}"
+        value, shared = await self.coalescer.run(flight, fetch_and_store, deadline, followed)
         return value, "coalesced" if shared else "miss"
 
     # -- introspection ---------------------------------------------------------------------------

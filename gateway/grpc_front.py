@@ -8,6 +8,7 @@ shared-memory, trace and logging methods answer UNIMPLEMENTED, as for any method
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, TypeVar
 
@@ -19,7 +20,8 @@ from tritonclient.grpc import service_pb2 as pb
 
 from gateway.cache import cache_key_async
 from gateway.core import Gateway
-from gateway.errors import BadRequest, GatewayError, grpc_code_for
+from gateway.errors import BadRequest, GatewayError, Overloaded, grpc_code_for
+from gateway.infer_body import MAX_UINT64, SHARED_MEMORY_PARAMETERS
 from gateway.limits import client_address
 from gateway.listen import check_free, refused
 from gateway.request_id import checked_request_id, is_valid_request_id, new_request_id
@@ -36,6 +38,43 @@ logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 SERVICE = "inference.GRPCInferenceService"
 _FORWARD_METADATA = ("x-request-id",)
+# Above this many bytes a ModelInfer message is parsed, and re-serialised for the cache key, in a
+# worker thread: upb parses ~1 GB/s, so the loop never holds more than ~0.25 ms of it.
+OFF_LOOP_BYTES = 256 * 1024
+
+
+class _BytesExhausted(Overloaded):
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def _check_tensor_counts(req: pb.ModelInferRequest, limit: int) -> None:
+    """INVALID_ARGUMENT naming the field when a repeated field or map holds more than `limit` entries,
+    and for shared-memory parameters (the gateway does not expose that extension)."""
+
+    def refuse(where: str, n: int, what: str) -> None:
+        raise BadRequest(
+            f"{where} has {n} {what}, more than {limit} (limits.max_tensors); send at most {limit}"
+        )
+
+    if len(req.inputs) > limit:
+        refuse("the request", len(req.inputs), "inputs")
+    if len(req.outputs) > limit:
+        refuse("the request", len(req.outputs), "outputs")
+    if len(req.parameters) > limit:
+        refuse("parameters", len(req.parameters), "entries")
+    if len(req.raw_input_contents) > limit:
+        refuse("the request", len(req.raw_input_contents), "raw_input_contents")
+    for section, tensors in (("inputs", req.inputs), ("outputs", req.outputs)):
+        for n, tensor in enumerate(tensors):
+            params = tensor.parameters
+            if len(params) > limit:
+                refuse(f"{section}[{n}].parameters", len(params), "entries")
+            for name in SHARED_MEMORY_PARAMETERS:
+                if name in params:
+                    raise BadRequest(
+                        f"{section}[{n}].parameters.{name}: the gateway does not expose Triton's "
+                        "shared-memory extension; send tensor data in the request"
+                    )
 
 
 def _restamp(raw: bytes, request_id: str) -> bytes:
@@ -44,6 +83,17 @@ def _restamp(raw: bytes, request_id: str) -> bytes:
         return raw
     resp.id = request_id
     return resp.SerializeToString()
+
+
+def _timeout_us(req: pb.ModelInferRequest) -> int | None:
+    """The `timeout` parameter in microseconds (int64 or uint64), None when absent."""
+    if "timeout" not in req.parameters:
+        return None
+    param = req.parameters["timeout"]
+    kind = param.WhichOneof("parameter_choice")
+    if kind == "uint64_param":
+        return min(param.uint64_param, MAX_UINT64)
+    return param.int64_param
 
 
 def _sequence_id(req: pb.ModelInferRequest) -> int | str | None:
@@ -71,6 +121,10 @@ class GrpcFront:
         self.region_key = cfg.routing.region_header.lower()
         self.timeout_key = cfg.retries.timeout_header.lower()
         self.max_batch = cfg.limits.max_batch_size
+        self.max_tensors = cfg.limits.max_tensors
+        # Bytes of ModelInfer messages being handled, bounded like HTTP bodies being received.
+        self.holding = 0
+        self.max_holding = cfg.limits.max_buffered_body_bytes
         self.server: grpc.aio.Server | None = None
 
     def handlers(self) -> grpc.GenericRpcHandler:
@@ -128,12 +182,22 @@ class GrpcFront:
             deadline = min(deadline, self.gw.clock() + remaining)
         return deadline
 
+    @staticmethod
+    async def _decode(cls: type[M], request: bytes) -> M:
+        """The request message, or BadRequest naming the message type; large ones off the loop."""
+        try:
+            if len(request) > OFF_LOOP_BYTES:
+                return await asyncio.to_thread(cls.FromString, request)
+            return cls.FromString(request)
+        except DecodeError as exc:
+            raise BadRequest(f"malformed {cls.DESCRIPTOR.name}: {exc}") from None
+
     async def _parse(self, cls: type[M], request: bytes, context: grpc.aio.ServicerContext) -> M:
         """The request message, or INVALID_ARGUMENT naming the message type (never UNKNOWN/INTERNAL)."""
         try:
-            return cls.FromString(request)
-        except DecodeError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.DESCRIPTOR.name}: {exc}")
+            return await self._decode(cls, request)
+        except BadRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
             raise AssertionError("unreachable") from None
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, request_id: str) -> None:
@@ -153,11 +217,10 @@ class GrpcFront:
     ) -> bytes:
         md = self._metadata(context)
         request_id = ""
+        self.gw.inflight += 1
         try:
             request_id = checked_request_id(md.get("x-request-id"))
-            principal = self.gw.auth.authenticate(md.get("authorization"), md.get("x-api-key"))
-            if model:
-                self.gw.auth.admit(principal, model)
+            await self._admit(model, md, context)
             deadline = self._deadline(context, md)
 
             async def attempt(server: UpstreamServer, timeout_s: float) -> bytes:
@@ -168,6 +231,13 @@ class GrpcFront:
         except GatewayError as exc:
             await self._abort(context, exc, request_id)
             raise AssertionError("unreachable") from None
+        finally:
+            self.gw.inflight -= 1
+
+    async def _admit(self, model: str, md: dict[str, str], context: grpc.aio.ServicerContext) -> Any:
+        """Admission shared by every method: drain, in-flight bound, auth, model list, rate limits."""
+        client = client_address(context.peer()) if self.gw.limiter.client_rate else ""
+        return await self.gw.admit(model, md.get("authorization"), md.get("x-api-key"), client)
 
     # -- methods -----------------------------------------------------------------------------------
     async def server_live(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -196,11 +266,10 @@ class GrpcFront:
         md = self._metadata(context)
         request_id = ""
         req = await self._parse(pb.ModelStatisticsRequest, request, context)
+        self.gw.inflight += 1
         try:
             request_id = checked_request_id(md.get("x-request-id"))
-            principal = self.gw.auth.authenticate(md.get("authorization"), md.get("x-api-key"))
-            if req.name:
-                self.gw.auth.admit(principal, req.name)
+            principal = await self._admit(req.name, md, context)
             deadline = self._deadline(context, md)
             gw = self.gw
             servers = statistics_servers(
@@ -238,6 +307,8 @@ class GrpcFront:
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             await self._abort(context, exc, request_id)
+        finally:
+            self.gw.inflight -= 1
         raise AssertionError("unreachable")
 
     async def model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -250,22 +321,31 @@ class GrpcFront:
         region = server_name = ""
         model = ""
         gw.inflight += 1
+        held = len(request)
+        self.holding += held
         try:
             request_id = checked_request_id(sent_id) if sent_id else ""
-            req = pb.ModelInferRequest.FromString(request)
+            if self.holding > self.max_holding:
+                raise _BytesExhausted(
+                    f"the gateway holds more than {self.max_holding} bytes of gRPC requests at once "
+                    "(limits.max_buffered_body_bytes); retry later"
+                )
+            # An unknown key is refused before a byte of the message is parsed.
+            gw.auth.authenticate(md.get("authorization"), md.get("x-api-key"))
+            req = await self._decode(pb.ModelInferRequest, request)
             model, version = req.model_name, req.model_version
             # The protobuf `id` is Triton's to echo whatever it holds; it names the request in logs
             # and upstream metadata only when it is a valid metadata value.
             request_id = request_id or (req.id if is_valid_request_id(req.id) else new_request_id())
-            client = client_address(context.peer()) if gw.limiter.client_rate else ""
-            await gw.admit(model, md.get("authorization"), md.get("x-api-key"), client)
+            await self._admit(model, md, context)
+            _check_tensor_counts(req, self.max_tensors)
             if self.max_batch:
                 for inp in req.inputs:
                     if inp.shape and inp.shape[0] > self.max_batch:
                         raise BadRequest(
                             f"input {inp.name!r} has batch size {inp.shape[0]}, above the gateway limit of {self.max_batch}"
                         )
-            timeout_us = req.parameters["timeout"].int64_param if "timeout" in req.parameters else None
+            timeout_us = _timeout_us(req)
             sequence_id = _sequence_id(req)
             deadline = self._deadline(context, md, timeout_us)
             metadata = (("x-request-id", request_id),)
@@ -299,6 +379,7 @@ class GrpcFront:
             await self._abort(context, exc, request_id)
         finally:
             gw.inflight -= 1
+            self.holding -= held
             gw.metrics.request(model, region, server_name, "grpc", status, gw.clock() - started)
         raise AssertionError("unreachable")
 
@@ -316,7 +397,11 @@ class GrpcFront:
         resolved = version or gw.router.latest_version(model)
         req.id = ""
         req.model_version = ""
-        key = await cache_key_async("grpc", model, resolved, req.SerializeToString(deterministic=True))
+        if req.ByteSize() > OFF_LOOP_BYTES:
+            material = await asyncio.to_thread(req.SerializeToString, deterministic=True)
+        else:
+            material = req.SerializeToString(deterministic=True)
+        key = await cache_key_async("grpc", model, resolved, material)
         route_box: list[Any] = []
 
         async def fetch() -> tuple[bytes, bytes | None]:
@@ -326,7 +411,7 @@ class GrpcFront:
             answered = pb.ModelInferResponse.FromString(raw).model_version
             return raw, (raw if resolved and answered == resolved else None)
 
-        raw, state = await gw.cached(key, model, fetch, lambda b: b, deadline)
+        raw, state = await gw.cached(key, model, fetch, lambda b: b, deadline, pinned)
         if state != "miss":
             raw = _restamp(raw, request_id)
         return raw, (route_box[0] if route_box else None), state

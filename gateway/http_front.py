@@ -12,16 +12,19 @@ and logging endpoints are not routed: 404 in Triton's `{"error": ...}` shape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import struct
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.auth import Principal
 from gateway.cache import cache_key_async
 from gateway.core import Gateway
 from gateway.errors import (
@@ -34,9 +37,15 @@ from gateway.errors import (
     UpstreamRejected,
     http_status_for,
 )
-from gateway.infer_body import OFF_LOOP_BYTES, InferBody, parse_header_length, parse_infer_body_async
+from gateway.infer_body import (
+    OFF_LOOP_BYTES,
+    InferBody,
+    inflate_cap,
+    parse_header_length,
+    parse_infer_body_async,
+)
 from gateway.ops import metrics_response, require_admin, upstreams_response
-from gateway.request_id import checked_request_id
+from gateway.request_id import checked_request_id, is_valid_request_id
 from gateway.statistics import (
     SERVER_HEADER,
     gather_statistics,
@@ -57,6 +66,22 @@ _FORWARD = {
     b"x-request-id",
 }
 _RETURN = {b"content-type", b"inference-header-content-length", b"content-encoding"}
+# Forwarded headers Triton must be able to read: bounded, printable ASCII, each sent once. Anything
+# else would make Triton drop the connection, which the gateway would count against the server.
+_MAX_FORWARDED_HEADER = 256
+_FORWARDED_NAMES = {b"content-type": "Content-Type", b"accept-encoding": "Accept-Encoding"}
+
+
+def checked_forward_header(name: bytes, value: bytes) -> bytes:
+    """`value`, or BadRequest naming the header when Triton could not read it."""
+    shown = _FORWARDED_NAMES.get(name, name.decode("latin-1"))
+    if len(value) > _MAX_FORWARDED_HEADER:
+        raise BadRequest(
+            f"{shown} header of {len(value)} bytes is longer than {_MAX_FORWARDED_HEADER}; send a standard value"
+        )
+    if not all(0x20 <= c < 0x7F for c in value):
+        raise BadRequest(f"{shown} header must be printable ASCII, got {value[:40]!r}")
+    return value
 
 
 def error_body(message: str) -> bytes:
@@ -124,6 +149,8 @@ class HttpFront:
         self.region_header = cfg.routing.region_header.lower().encode()
         self.timeout_header = cfg.retries.timeout_header.lower().encode()
         self.body_timeout_s = cfg.limits.body_read_timeout_s
+        self.max_tensors = cfg.limits.max_tensors
+        self.inflate_ratio = cfg.limits.max_inflate_ratio
         # Bytes of bodies still being received, bounded on their own: uploads hold no in-flight slot.
         self.receiving = 0
         self.max_receiving = cfg.limits.max_buffered_body_bytes
@@ -142,6 +169,7 @@ class HttpFront:
         content_length = header_length = encoding = None
         authorization = api_key = request_id = pinned = timeout_ms = None
         forward: list[tuple[bytes, bytes]] = []
+        request_ids = 0
         for k, v in scope["headers"]:
             if k in _FORWARD:
                 # Encoding and header length describe the body as received; they are re-added
@@ -152,9 +180,11 @@ class HttpFront:
                 if k == b"content-encoding":
                     encoding = v.decode("latin-1")
                     continue
-                forward.append((k, v))
                 if k == b"x-request-id":
+                    request_ids += 1
                     request_id = v.decode("latin-1")
+                    continue  # forwarded once, checked, below
+                forward.append((k, v))
             elif k == b"content-length":
                 content_length = v
             elif k == b"authorization":
@@ -165,19 +195,29 @@ class HttpFront:
                 pinned = v.decode("latin-1")
             elif k == self.timeout_header:
                 timeout_ms = v.decode("latin-1")
-        if request_id is None:
-            request_id = os.urandom(8).hex()
-            forward.append((b"x-request-id", request_id.encode()))
+        sent_id = request_id
+        if request_id is None or request_ids != 1 or not is_valid_request_id(request_id):
+            request_id = os.urandom(8).hex()  # never echo an id that failed the check
         extra = [(b"x-request-id", request_id.encode())]
         status = 500
         route_region = route_server = ""
         counted = False
+        reserved = 0
         try:
-            checked_request_id(request_id)  # forwarded to Triton and logged: bounded and printable
-            if content_length is not None and int(content_length) > self.max_bytes:
-                raise RequestTooLarge(
-                    f"request body of {int(content_length)} bytes exceeds the limit of {self.max_bytes}"
-                )
+            if request_ids > 1:
+                raise BadRequest(f"send one x-request-id header, got {request_ids}")
+            if sent_id is not None:
+                checked_request_id(sent_id)  # forwarded to Triton and logged: bounded and printable
+            forward = [(k, checked_forward_header(k, v)) for k, v in forward]
+            forward.append((b"x-request-id", request_id.encode()))
+            if content_length is not None:
+                if not content_length.isdigit():
+                    raise BadRequest(f"Content-Length must be an integer, got {content_length[:40]!r}")
+                if len(content_length) > 19 or int(content_length) > self.max_bytes:
+                    raise RequestTooLarge(
+                        f"request body of {content_length[:25].decode()} bytes exceeds the limit of "
+                        f"{self.max_bytes} (limits.max_request_bytes)"
+                    )
             # The body is read before the request takes an in-flight slot: a slow upload holds
             # only its connection, bounded by limits.body_read_timeout_s, never the admission limit.
             # An unknown key is refused before anything is read.
@@ -187,6 +227,15 @@ class HttpFront:
             counted = True
             await gw.admit(model, authorization, api_key, (scope.get("client") or ("",))[0])
             hl = parse_header_length(header_length)
+            if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+                # The inflated bytes are held too: count them against the same bound as bodies.
+                reserved = inflate_cap(len(body), self.max_bytes, self.inflate_ratio)
+                self.receiving += reserved
+                if self.receiving > self.max_receiving:
+                    raise Overloaded(
+                        f"the gateway holds more than {self.max_receiving} bytes of request bodies at "
+                        "once (limits.max_buffered_body_bytes); retry later"
+                    )
             request = await self._parse(model, body, hl, encoding)
             if request is None:  # large plain JSON nobody needs read: forwarded untouched
                 timeout_us = None
@@ -241,6 +290,7 @@ class HttpFront:
             logger.exception("unhandled error in infer, request_id=%s", request_id)
             status = await self._error(send, exc, extra, request_id)
         finally:
+            self.receiving -= reserved
             if counted:
                 gw.inflight -= 1
             gw.metrics.request(model, route_region, route_server, "http", str(status), gw.clock() - started)
@@ -256,9 +306,12 @@ class HttpFront:
             and not self.gw.cache_enabled(model)
             and b'"timeout"' not in body
             and b'"sequence_id"' not in body
+            and b"\\u" not in body  # an escaped key ("\u0074imeout") may spell either
         ):
             return None
-        return await parse_infer_body_async(body, hl, encoding, self.max_bytes)
+        return await parse_infer_body_async(
+            body, hl, encoding, self.max_bytes, self.max_tensors, self.inflate_ratio
+        )
 
     async def _cached(
         self,
@@ -275,8 +328,10 @@ class HttpFront:
             canonical, tensors = request.key_material()
         else:
             canonical, tensors = await asyncio.to_thread(request.key_material)
-        # "/2": keys over exact `data` text, never equal to the v1 keys over re-serialised values.
-        protocol = "http-binary/2" if request.header_length is not None else "http-json/2"
+        # "/2": keys over exact `data` text, never equal to the v1 keys over re-serialised values;
+        # "/3": walked headers keyed on their exact text, never equal to a canonical key.
+        version_tag = "3" if request.keyed_on_text else "2"
+        protocol = ("http-binary/" if request.header_length is not None else "http-json/") + version_tag
         key = await cache_key_async(protocol, model, resolved, canonical, tensors)
         route_box: list[Any] = []
 
@@ -293,7 +348,7 @@ class HttpFront:
             # Triton moved to a newer version than the health view knew: do not file it under the old one.
             return resp, (_encode_entry(resp) if answered == resolved else None)
 
-        resp, state = await gw.cached(key, model, fetch, _decode_entry, deadline)
+        resp, state = await gw.cached(key, model, fetch, _decode_entry, deadline, pinned)
         if state != "miss" and resp.status == 200:
             resp = restamp_id(resp, request.request_id)
         return resp, (route_box[0] if route_box else None), state
@@ -384,14 +439,31 @@ def build_api(gw: Gateway) -> FastAPI:
     async def ready() -> Response:
         return Response(status_code=200 if gw.ready() else 400)
 
+    @contextlib.asynccontextmanager
+    async def admitted(request: Request, model: str) -> AsyncIterator[Principal | None]:
+        """The same admission as inference (drain, in-flight bound, auth, model list, rate limits),
+        holding an in-flight slot while the call runs."""
+        gw.inflight += 1
+        try:
+            client = request.client.host if request.client is not None else ""
+            yield await gw.admit(
+                model, request.headers.get("authorization"), request.headers.get("x-api-key"), client
+            )
+        finally:
+            gw.inflight -= 1
+
+    def raw_path(request: Request) -> bytes:
+        # As the client sent it (still percent-encoded): the decoded path can hold spaces or
+        # control characters that make Triton drop the connection, which would count against it.
+        return bytes(request.scope.get("raw_path") or request.url.path.encode())
+
     async def proxy(request: Request, model: str = "", version: str = "") -> Response:
-        principal = gw.auth.authenticate(
-            request.headers.get("authorization"), request.headers.get("x-api-key")
-        )
-        if model:
-            gw.auth.admit(principal, model)
         checked_request_id(request.headers.get("x-request-id"))
-        path = request.url.path.encode()
+        async with admitted(request, model):
+            return await _proxy(request, model, version)
+
+    async def _proxy(request: Request, model: str, version: str) -> Response:
+        path = raw_path(request)
         deadline = gw.deadline(request.headers.get(gw.cfg.retries.timeout_header))
 
         async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
@@ -413,13 +485,14 @@ def build_api(gw: Gateway) -> FastAPI:
 
     async def statistics(request: Request, model: str = "", version: str = "") -> Response:
         """Triton's statistics extension, summed across the servers the model is routed to."""
-        principal = gw.auth.authenticate(
-            request.headers.get("authorization"), request.headers.get("x-api-key")
-        )
-        if model:
-            gw.auth.admit(principal, model)
         checked_request_id(request.headers.get("x-request-id"))
-        path = request.url.path.encode()
+        async with admitted(request, model) as principal:
+            return await _statistics(request, model, version, principal)
+
+    async def _statistics(
+        request: Request, model: str, version: str, principal: Principal | None
+    ) -> Response:
+        path = raw_path(request)
         deadline = gw.deadline(request.headers.get(gw.cfg.retries.timeout_header))
         servers = statistics_servers(
             gw.servers,

@@ -39,6 +39,16 @@ OFF_LOOP_BYTES = 64 * 1024
 CANONICAL_BYTES = 16 * 1024
 # Deeper structure than any KServe request has; RapidJSON in Triton recurses per level.
 MAX_DEPTH = 32
+# Default of limits.max_tensors: inputs, outputs and parameters per request (and per tensor).
+MAX_TENSORS = 256
+# Default of limits.max_inflate_ratio, and the inflated size always allowed whatever the ratio.
+MAX_INFLATE_RATIO = 100.0
+INFLATE_FLOOR = 1 << 20
+# Triton reads `timeout` and `sequence_id` as unsigned 64-bit integers.
+MAX_UINT64 = 2**64 - 1
+# Parameters that address Triton's shared-memory extension, which the gateway does not expose:
+# forwarded, they would read another tenant's registered region.
+SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 
 _WS = re.compile(r"[ \t\n\r]*")
 # A data array made only of numbers, literals and nested arrays: the common case, skipped in one scan.
@@ -89,6 +99,10 @@ def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 _scan_small: Any = json.JSONDecoder(  # type: ignore[attr-defined]
     object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant
 ).scan_once
+
+
+def _too_many(where: str, what: str, limit: int) -> BadRequest:
+    return BadRequest(f"{where} has more than {limit} {what} (limits.max_tensors); send at most {limit}")
 
 
 def _where(path: tuple[str | int, ...]) -> str:
@@ -142,11 +156,14 @@ class _Walker:
     in Python so a worker thread running the walk yields the GIL to the event loop.
     """
 
-    def __init__(self, text: str, small: bool) -> None:
+    def __init__(self, text: str, small: bool, max_tensors: int = MAX_TENSORS) -> None:
         self.s = text
         self.n = len(text)
         self.small = small
+        self.max_tensors = max_tensors
         self.data: list[RawData] = []
+        # The top-level `id` value: blanked in the cache key (every request has its own id).
+        self.id_span: tuple[int, int] | None = None
         # Where the top-level object and its "parameters" sit, for splicing a timeout in later.
         self.top_open = -1
         self.top_empty = False
@@ -212,6 +229,9 @@ class _Walker:
                 raise self.fail(f"bad key string in {_where(path)} ({exc})", i) from None
             if key in out:
                 raise _duplicate(key, path)
+            # Counted as they come, so a million-key object is refused at its 257th key.
+            if len(out) >= self.max_tensors and path and path[-1] == "parameters":
+                raise _too_many(_where(path), "entries", self.max_tensors)
             i = self.ws(i)
             if i >= self.n or s[i] != ":":
                 raise self.fail(f"expected ':' after key {key!r}", i)
@@ -225,6 +245,8 @@ class _Walker:
                 out[key], i = self.value(i, (*path, key), _OTHER)
                 if role == _PARAMS and key == "timeout":
                     self.timeout_span = (start, i)
+                elif role == _TOP and key == "id":
+                    self.id_span = (start, i)
             i = self.ws(i)
             if i < self.n and s[i] == ",":
                 i = self.ws(i + 1)
@@ -240,7 +262,10 @@ class _Walker:
         i = self.ws(i + 1)
         if i < self.n and s[i] == "]":
             return out, i + 1
+        counted = len(path) == 1 and path[0] in ("inputs", "outputs")
         while True:
+            if counted and len(out) >= self.max_tensors:
+                raise _too_many("the request", str(path[0]), self.max_tensors)
             item, i = self.value(i, (*path, len(out)), item_role)
             out.append(item)
             i = self.ws(i)
@@ -290,25 +315,35 @@ def _int_field(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _validate(header: dict[str, Any]) -> None:
-    """Types of the fields the gateway or Triton read; each error names the field."""
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+
+
+def _validate(header: dict[str, Any], max_tensors: int = MAX_TENSORS) -> None:
+    """Types of the fields the gateway or Triton read, and their counts; each error names the field."""
     if "id" in header and not isinstance(header["id"], str):
         raise BadRequest(f"id must be a string, got {_kind(header['id'])}")
     params = header.get("parameters")
     if params is not None:
         if not isinstance(params, dict):
             raise BadRequest(f"parameters must be an object, got {_kind(params)}")
+        if len(params) > max_tensors:
+            raise _too_many("parameters", "entries", max_tensors)
         if "timeout" in params:
             t = params["timeout"]
-            if not _int_field(t) or t < 0:
+            # Beyond uint64 Triton cannot read it, and the deadline arithmetic would overflow.
+            if not _int_field(t) or not 0 <= t <= MAX_UINT64:
                 raise BadRequest(
-                    f"parameters.timeout must be a non-negative integer of microseconds, got {t!r}"
+                    "parameters.timeout must be a non-negative integer of microseconds, got "
+                    f"{_shown(t)} (at most 2^64-1)"
                 )
         if "sequence_id" in params:
             seq = params["sequence_id"]
-            if not (_int_field(seq) and seq >= 0) and not isinstance(seq, str):
+            if not (_int_field(seq) and 0 <= seq <= MAX_UINT64) and not isinstance(seq, str):
                 raise BadRequest(
-                    f"parameters.sequence_id must be a non-negative integer or a string, got {seq!r}"
+                    "parameters.sequence_id must be a non-negative integer or a string, got "
+                    f"{_shown(seq)} (integers at most 2^64-1)"
                 )
     for section in ("inputs", "outputs"):
         if section not in header:
@@ -316,14 +351,26 @@ def _validate(header: dict[str, Any]) -> None:
         items = header[section]
         if not isinstance(items, list):
             raise BadRequest(f"{section} must be an array of objects, got {_kind(items)}")
+        if len(items) > max_tensors:
+            raise _too_many("the request", section, max_tensors)
         for n, item in enumerate(items):
             where = f"{section}[{n}]"
             if not isinstance(item, dict):
                 raise BadRequest(f"{where} must be an object, got {_kind(item)}")
             if "name" in item and not isinstance(item["name"], str):
                 raise BadRequest(f"{where}.name must be a string, got {_kind(item['name'])}")
-            if "parameters" in item and not isinstance(item["parameters"], dict):
-                raise BadRequest(f"{where}.parameters must be an object, got {_kind(item['parameters'])}")
+            if "parameters" in item:
+                tensor_params = item["parameters"]
+                if not isinstance(tensor_params, dict):
+                    raise BadRequest(f"{where}.parameters must be an object, got {_kind(tensor_params)}")
+                if len(tensor_params) > max_tensors:
+                    raise _too_many(f"{where}.parameters", "entries", max_tensors)
+                for name in SHARED_MEMORY_PARAMETERS:
+                    if name in tensor_params:
+                        raise BadRequest(
+                            f"{where}.parameters.{name}: the gateway does not expose Triton's "
+                            "shared-memory extension; send tensor data in the request"
+                        )
             if section == "inputs":
                 if "data" in item and not isinstance(item["data"], list | RawData):
                     raise BadRequest(f"{where}.data must be a JSON array")
@@ -394,19 +441,23 @@ class InferBody:
         follows in the tensor bytes, then the binary tail: `data` can only be an array, so no client
         header can spell that placeholder at that place.
         """
-        header = {k: v for k, v in self.header.items() if k != "id"}
         tail = self.body[self.header_length :] if self.header_length is not None else b""
-        if self._splice is None:
+        w = self._splice
+        if w is None:
+            header = {k: v for k, v in self.header.items() if k != "id"}
             return json.dumps(header, sort_keys=True, separators=(",", ":")).encode(), tail
-        spans = [self.text[r.start : r.end].encode() for r in self._spans]
-        sizes = iter([len(b) for b in spans])
-        canonical = json.dumps(
-            header,
-            sort_keys=True,
-            separators=(",", ":"),
-            default=lambda _: {"raw-bytes": next(sizes)},
-        ).encode()
-        return canonical, b"".join(spans) + tail
+        # Forwarded as received, so keyed on exactly the text Triton reads (two texts that parse to
+        # equal Python values, e.g. 0.1 and 0.10000000000000000001, may differ to Triton): only the
+        # `id` value is blanked, since every request has its own.
+        text = self.text
+        if w.id_span is not None:
+            text = text[: w.id_span[0]] + '""' + text[w.id_span[1] :]
+        return text.encode(), tail
+
+    @property
+    def keyed_on_text(self) -> bool:
+        """Whether `key_material` is the exact header text (large headers) rather than canonical JSON."""
+        return self._splice is not None
 
     def with_timeout(self, timeout_s: float) -> tuple[bytes, int | None]:
         """The body with the remaining deadline as Triton's `timeout` parameter (microseconds).
@@ -471,12 +522,23 @@ def parse_header_length(value: bytes | None) -> int | None:
     if stripped.startswith(b"-") and stripped[1:].isdigit():
         raise BadRequest(f"Inference-Header-Content-Length must not be negative, got {shown!r}")
     if not stripped.isdigit():
-        raise BadRequest(f"Inference-Header-Content-Length must be an integer, got {shown!r}")
+        raise BadRequest(f"Inference-Header-Content-Length must be an integer, got {shown[:40]!r}")
+    if len(stripped) > 19:  # more than any body size; int() of thousands of digits is refused or slow
+        raise BadRequest(
+            f"Inference-Header-Content-Length has {len(stripped)} digits; it must be at most 19 "
+            "(a byte count within the body)"
+        )
     return int(stripped)
 
 
-def inflate(body: bytes, encoding: str, limit: int) -> bytes:
-    """Undo Content-Encoding gzip/deflate (as Triton does), refusing more than `limit` inflated bytes."""
+def inflate_cap(compressed: int, limit: int, ratio: float = MAX_INFLATE_RATIO) -> int:
+    """Most bytes `compressed` bytes may inflate to: `ratio` times, at least INFLATE_FLOOR, at most `limit`."""
+    return min(limit, max(INFLATE_FLOOR, int(compressed * ratio)))
+
+
+def inflate(body: bytes, encoding: str, limit: int, ratio: float = MAX_INFLATE_RATIO) -> bytes:
+    """Undo Content-Encoding gzip/deflate (as Triton does), refusing more than `limit` inflated bytes
+    or more than `ratio` times the compressed size (a few KiB must not become `limit` bytes)."""
     enc = encoding.strip().lower()
     if enc in ("", "identity"):
         return body
@@ -488,13 +550,19 @@ def inflate(body: bytes, encoding: str, limit: int) -> bytes:
         raise UnsupportedEncoding(
             f"Content-Encoding {encoding!r} is not supported; send gzip, deflate or identity"
         )
+    cap = inflate_cap(len(body), limit, ratio)
     try:
-        out = d.decompress(body, limit + 1)
+        out = d.decompress(body, cap + 1)
     except zlib.error as exc:
         raise BadRequest(f"the request body is not valid {enc} data ({exc})") from None
-    if len(out) > limit:
+    if len(out) > cap:
+        if cap == limit:
+            raise RequestTooLarge(
+                f"the {enc} request body inflates to more than the limit of {limit} bytes (limits.max_request_bytes)"
+            )
         raise RequestTooLarge(
-            f"the {enc} request body inflates to more than the limit of {limit} bytes (limits.max_request_bytes)"
+            f"the {enc} request body of {len(body)} bytes inflates to more than {ratio:g} times its size "
+            f"(limits.max_inflate_ratio); send it uncompressed or less compressible"
         )
     if not d.eof:
         raise BadRequest(f"the {enc} request body is truncated")
@@ -509,13 +577,15 @@ def parse_infer_body(
     encoding: str | None = None,
     limit: int = 64 << 20,
     canonical_bytes: int | None = None,
+    max_tensors: int = MAX_TENSORS,
+    inflate_ratio: float = MAX_INFLATE_RATIO,
 ) -> InferBody:
     """Inflate (if encoded), parse and validate one request body; BadRequest names what is wrong.
 
     `limit` bounds the inflated size (limits.max_request_bytes); headers under `canonical_bytes`
     (default CANONICAL_BYTES) are forwarded re-serialised, larger ones as received."""
     if encoding is not None:
-        body = inflate(body, encoding, limit)
+        body = inflate(body, encoding, limit, inflate_ratio)
     if header_length is not None and header_length > len(body):
         raise BadRequest(f"Inference-Header-Content-Length {header_length} exceeds the body size {len(body)}")
     raw = body if header_length is None else body[:header_length]
@@ -530,9 +600,9 @@ def parse_infer_body(
             pass  # the walk below names what is wrong
         else:
             if isinstance(header, dict) and not _may_nest_deeper_than(text, MAX_DEPTH):
-                _validate(header)
+                _validate(header, max_tensors)
                 return InferBody(body, header_length, text, header, None)
-    walker = _Walker(text, small=len(text) < OFF_LOOP_BYTES)
+    walker = _Walker(text, small=len(text) < OFF_LOOP_BYTES, max_tensors=max_tensors)
     i = walker.ws(0)
     if i >= len(text):
         raise BadRequest("the request body is empty; send a JSON object with 'inputs'")
@@ -543,16 +613,22 @@ def parse_infer_body(
     end = walker.ws(end)
     if end != len(text):
         raise walker.fail("extra data after the JSON object", end)
-    _validate(header)
+    _validate(header, max_tensors)
     return InferBody(body, header_length, text, header, walker)
 
 
 async def parse_infer_body_async(
-    body: bytes, header_length: int | None, encoding: str | None = None, limit: int = 64 << 20
+    body: bytes,
+    header_length: int | None,
+    encoding: str | None = None,
+    limit: int = 64 << 20,
+    max_tensors: int = MAX_TENSORS,
+    inflate_ratio: float = MAX_INFLATE_RATIO,
 ) -> InferBody:
     """`parse_infer_body`, in a worker thread when the header is large or the body compressed
     (a few compressed bytes can inflate to `limit`)."""
     size = len(body) if header_length is None else header_length
+    args = (body, header_length, encoding, limit, None, max_tensors, inflate_ratio)
     if size < OFF_LOOP_BYTES and encoding is None:
-        return parse_infer_body(body, header_length, encoding, limit)
-    return await asyncio.to_thread(parse_infer_body, body, header_length, encoding, limit)
+        return parse_infer_body(*args)
+    return await asyncio.to_thread(parse_infer_body, *args)

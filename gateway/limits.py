@@ -5,11 +5,13 @@ replica count. When Redis is configured (cache.backend redis, limits.shared auto
 in Redis and is taken by one atomic Lua script, so all replicas draw from one quota. When Redis
 fails or its breaker is open, admission fails open to the per-process bucket (the quota is then per
 replica until Redis is back), never to "no limit" and never to an error.
-Per-client buckets are bounded in number (least recently used dropped) whatever addresses connect.
+Per-client buckets are bounded in number (least recently used dropped) whatever addresses connect,
+and an IPv6 client is keyed on its /64 (one host usually holds all of it).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -46,6 +48,23 @@ redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
 redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
 return tostring(wait)
 """
+
+
+def client_key(address: str) -> str:
+    """The rate-limit key of a client address: an IPv4 address itself, an IPv6 address its /64.
+
+    One IPv6 host usually holds a whole /64 (SLAAC, privacy addresses), so keying on the full
+    address would give a client 2^64 buckets; anything else (a unix socket path) is used as is."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        mapped = ip.ipv4_mapped
+        if mapped is not None:
+            return str(mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 def client_address(peer: str | None) -> str:
@@ -95,16 +114,18 @@ class RateLimiter:
                     headers={"retry-after": str(max(1, int(wait + 0.999)))},
                 )
         elif self.client_rate > 0:
+            key = client_key(client)
             wait = await self._take(
-                f"client:{client}",
+                f"client:{key}",
                 self.client_rate,
                 self.client_burst,
-                lambda: self._client(client),
+                lambda: self._client(key),
                 "client",
             )
             if wait > 0:
+                shown = client if key == client else f"{client} (in {key})"
                 raise RateLimited(
-                    f"rate limit for client address {client!r} exceeded "
+                    f"rate limit for client address {shown!r} exceeded "
                     f"({self.client_rate:g}/s); retry in {wait:.2f}s",
                     headers={"retry-after": str(max(1, int(wait + 0.999)))},
                 )

@@ -86,6 +86,13 @@ class ThrottledLog:
         self._suppressed: dict[str, int] = {}
 
     def warning(self, kind: str, msg: str, *args: Any) -> bool:
+        return self.emit(logging.WARNING, kind, msg, *args)
+
+    def error(self, kind: str, msg: str, *args: Any) -> bool:
+        return self.emit(logging.ERROR, kind, msg, *args)
+
+    def emit(self, level: int, kind: str, msg: str, *args: Any) -> bool:
+        """Log at `level` unless `kind` was logged within the interval; True when it was logged."""
         now = self.clock()
         last = self._last.get(kind)
         if last is not None and now - last < self.interval_s:
@@ -96,7 +103,7 @@ class ThrottledLog:
         if suppressed:
             msg += " (%d similar message(s) suppressed in the last %.0fs)"
             args = (*args, suppressed, self.interval_s)
-        self.log.warning(msg, *args)
+        self.log.log(level, msg, *args)
         return True
 
 

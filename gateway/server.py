@@ -23,6 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.grpc_front import GrpcFront
 from gateway.http_front import HttpFront
+from gateway.http_protocol import with_header_timeout
 from gateway.listen import ListenError, bind_listener
 from gateway.ops import build_ops_app
 from gateway.reload import ConfigReloader
@@ -39,7 +40,10 @@ def _uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         loop="none",
-        http="httptools",
+        # httptools with a bound on receiving headers (uvicorn has none: slowloris).
+        http=with_header_timeout(cfg.limits.header_read_timeout_s),
+        # Connections plus in-flight requests; beyond it uvicorn answers 503 and sockets stop growing.
+        limit_concurrency=cfg.limits.max_connections,
         lifespan="off",
         access_log=False,
         proxy_headers=False,  # the gateway is the edge: no X-Forwarded-* rewriting per request

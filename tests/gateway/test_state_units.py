@@ -277,3 +277,65 @@ def test_model_labels_fold_unknown_and_unadmitted_models() -> None:
         await gw.stop()
 
     asyncio.run(run())
+
+
+def test_a_leaders_connection_failure_is_not_shared_with_its_followers() -> None:
+    """Issue 9 review item 4: a RetryableUpstream of the leader's own (its server, its connection)
+    makes followers try again on their own, as a cancelled leader does."""
+    from gateway.errors import UpstreamUnavailable
+
+    async def run() -> None:
+        c = Coalescer()
+        gate = asyncio.Event()
+
+        async def broken() -> int:
+            await gate.wait()
+            raise UpstreamUnavailable("127.0.0.1:1: connection closed before a response")
+
+        async def fine() -> int:
+            return 5
+
+        lead = asyncio.ensure_future(c.run("k", broken))
+        await asyncio.sleep(0)
+        follow = asyncio.ensure_future(c.run("k", fine))
+        await asyncio.sleep(0)
+        gate.set()
+        with pytest.raises(UpstreamUnavailable):
+            await lead
+        assert await follow == (5, False)
+        assert len(c) == 0
+
+    asyncio.run(run())
+
+
+def test_requests_pinned_to_other_regions_do_not_coalesce() -> None:
+    """Issue 9 review item 4: the pin routes the fetch, so it is part of the coalescing key (not the
+    cache key): a request pinned elsewhere runs its own fetch, an identically pinned one follows."""
+    from gateway.core import Gateway
+
+    async def run() -> None:
+        gw = Gateway(_cfg())
+        gate = asyncio.Event()
+        calls: list[str] = []
+
+        def fetcher(name: str) -> Any:
+            async def fetch() -> tuple[bytes, bytes | None]:
+                calls.append(name)
+                await gate.wait()
+                return name.encode(), None  # nothing stored: each answer stays its own
+
+            return fetch
+
+        lead = asyncio.ensure_future(gw.cached("key", "lt", fetcher("eu"), bytes, None, "eu"))
+        await asyncio.sleep(0)
+        same_pin = asyncio.ensure_future(gw.cached("key", "lt", fetcher("eu-2"), bytes, None, "eu"))
+        unpinned = asyncio.ensure_future(gw.cached("key", "lt", fetcher("any"), bytes, None, None))
+        await asyncio.sleep(0)
+        gate.set()
+        assert await lead == (b"eu", "miss")
+        assert await same_pin == (b"eu", "coalesced")
+        assert await unpinned == (b"any", "miss")
+        assert calls == ["eu", "any"]
+        await gw.stop()
+
+    asyncio.run(run())

@@ -1,0 +1,67 @@
+"""uvicorn's httptools protocol with a bound on receiving request headers.
+
+uvicorn times out idle keep-alive connections but not a request whose headers never finish: a
+client that sends half a request line and waits holds its socket (and a file descriptor) forever,
+and a few thousand such clients exhaust the gateway (slowloris). Here a timer runs while a
+connection waits for a request's headers (from connect, and from a new request's first byte) and
+closes the connection when they are not complete within `limits.header_read_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+logger = logging.getLogger(__name__)
+
+
+class HeaderTimeoutProtocol(HttpToolsProtocol):
+    header_timeout_s = 10.0  # set per listener by `with_header_timeout`
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            logger.info(
+                "closing a connection from %s: request headers not complete within %g s "
+                "(limits.header_read_timeout_s)",
+                self.client,
+                self.header_timeout_s,
+            )
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()  # a connection that sends nothing is bounded too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_header_timer()  # a keep-alive connection's next request (already armed on connect)
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_timer()
+        super().on_headers_complete()
+
+
+def with_header_timeout(timeout_s: float) -> type[HeaderTimeoutProtocol]:
+    """The protocol class for one listener, closing connections whose headers take over `timeout_s`."""
+    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": timeout_s})
