@@ -80,12 +80,19 @@ def triton_up(
         "local", "--model-config-name", help="Config profile: configs/<name>.pbtxt ('' for config.pbtxt)."
     ),
     control_mode: str = typer.Option("none", "--model-control-mode", help="none | poll | explicit."),
+    response_cache_mb: int = typer.Option(
+        0,
+        "--response-cache-mb",
+        min=0,
+        help="Triton's own response cache per server, in MiB (0: off). Models opt in with "
+        "`skewserve export --response-cache`; hits show as nv_cache_num_hits_per_model.",
+    ),
     log_dir: Path = typer.Option(Path("runs/triton-logs"), "--log-dir"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Start tritonserver processes per region on REPO, print their endpoints, stop them on Ctrl-C."""
     from skewserve.errors import SkewserveError
-    from skewserve.triton_process import TritonFleet
+    from skewserve.triton_process import TritonFleet, response_cache_config
 
     _setup_logging(verbose)
     region_list = [r.strip() for r in regions.split(",") if r.strip()]
@@ -101,6 +108,7 @@ def triton_up(
             log_dir,
             model_config_name=config_name or None,
             model_control_mode=control_mode,
+            cache_config=response_cache_config(response_cache_mb),
         )
         with console.status(f"starting {len(fleet.servers)} tritonserver process(es)"):
             fleet.start()
@@ -486,6 +494,13 @@ def up_command(
         ..., "--config", help="Stack config: model repository, regions, gateway settings."
     ),
     log_dir: Path = typer.Option(Path("runs/stack-logs"), "--log-dir"),
+    response_cache_mb: int | None = typer.Option(
+        None,
+        "--response-cache-mb",
+        min=0,
+        help="Triton's own response cache per server, in MiB (0: off); overrides the config's "
+        "response_cache_mb. Models opt in with `skewserve export --response-cache`.",
+    ),
 ) -> None:
     """Start the Triton servers the config names (local CPU profile) and the gateway; Ctrl-C stops all."""
     from skewserve.errors import SkewserveError
@@ -497,6 +512,8 @@ def up_command(
     except StackConfigError as exc:
         error(exc)
         raise typer.Exit(2) from exc
+    if response_cache_mb is not None:
+        stack_cfg = stack_cfg.model_copy(update={"response_cache_mb": response_cache_mb})
     stack = LocalStack(stack_cfg, log_dir)
     try:
         with console.status("starting tritonserver processes and the gateway"):

@@ -5,6 +5,7 @@ Stack config (YAML or TOML):
     model_config_name: local              # CPU profile (configs/local.pbtxt)
     model_control_mode: explicit          # so `skewserve rollout` can load new versions
     regions: {us-east: 2, eu-west: 1}     # servers per region
+    response_cache_mb: 0                  # Triton's own response cache per server (MiB, 0: off)
     gateway: {home_region: us-east, listen: {http_port: 8080, grpc_port: 8081, ops_port: 8082}, cache: {...}}
 The gateway section is a gateway config without `regions`: they are filled in from the servers.
 """
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from gateway.config import GatewayConfig, RegionConfig, ServerConfig, format_validation_error
 from skewserve.errors import SkewserveError
 from skewserve.gateway_process import GatewayProcess, start_gateway_process
-from skewserve.triton_process import TritonFleet, TritonServerSpec
+from skewserve.triton_process import TritonFleet, TritonServerSpec, response_cache_config
 
 
 class StackConfigError(SkewserveError):
@@ -36,6 +37,12 @@ class StackConfig(BaseModel):
     model_config_name: str | None = "local"
     model_control_mode: str = "explicit"
     regions: dict[str, int] = Field(min_length=1, description="region name -> number of Triton servers")
+    response_cache_mb: int = Field(
+        default=0,
+        ge=0,
+        description="size of Triton's own response cache per server in MiB (0: off); models opt in "
+        "with `skewserve export --response-cache`",
+    )
     gateway: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("regions")
@@ -92,6 +99,7 @@ class LocalStack:
                 model_config_name=config.model_config_name,
                 model_control_mode=config.model_control_mode,
                 load_models=("*",) if config.model_control_mode == "explicit" else (),
+                cache_config=response_cache_config(config.response_cache_mb),
             )
             for region, n in config.regions.items()
             for i in range(n)
