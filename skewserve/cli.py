@@ -501,6 +501,13 @@ def up_command(
         help="Triton's own response cache per server, in MiB (0: off); overrides the config's "
         "response_cache_mb. Models opt in with `skewserve export --response-cache`.",
     ),
+    autoscale: bool = typer.Option(
+        False,
+        "--autoscale",
+        help="Start and stop Triton servers per region on their load (the config's `autoscale` "
+        "policy, else the default: 2 requests in flight per server, 1-4 servers, 60 s cool-down); "
+        "the gateway follows them through DNS discovery.",
+    ),
 ) -> None:
     """Start the Triton servers the config names (local CPU profile) and the gateway; Ctrl-C stops all."""
     from skewserve.errors import SkewserveError
@@ -514,6 +521,10 @@ def up_command(
         raise typer.Exit(2) from exc
     if response_cache_mb is not None:
         stack_cfg = stack_cfg.model_copy(update={"response_cache_mb": response_cache_mb})
+    if autoscale and stack_cfg.autoscale is None:
+        from skewserve.autoscale import AutoscalePolicy
+
+        stack_cfg = stack_cfg.model_copy(update={"autoscale": AutoscalePolicy()})
     stack = LocalStack(stack_cfg, log_dir)
     try:
         with console.status("starting tritonserver processes and the gateway"):
@@ -544,9 +555,19 @@ def print_stack(stack: Any) -> None:
         text(stack.gateway_grpc),
         gw_pid,
     )
-    for s in stack.fleet.servers:
+    servers = list(stack.fleet.servers)
+    for scaler in getattr(stack, "autoscalers", []):
+        servers += list(scaler.servers.values())
+    for s in servers:
         table.add_row("triton", *map(text, (s.spec.region, s.spec.name, s.http_url, s.grpc_address, s.pid)))
     console.print(table)
+    for scaler in getattr(stack, "autoscalers", []):
+        p = scaler.policy
+        console.print(
+            f"autoscaling {scaler.region}: {p.min_servers}-{p.max_servers} servers on {p.signal} "
+            f"(target {p.target:g}, cool-down {p.scale_down_window_s:g}s), published as "
+            f"{scaler.dns_name} on {scaler.dns.address}"
+        )
     if stack.gateway_ops:
         console.print(
             f"gateway ops listener (metrics, admin): http://{stack.gateway_ops}/metrics, "
