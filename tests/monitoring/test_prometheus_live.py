@@ -41,12 +41,19 @@ CORE = {
     "skewserve:triton_executions_per_inference:rate5m": "positive",
     'skewserve:triton_cache_hit_ratio:rate5m{model="tcached"}': "positive",
     "sum by (instance) (nv_inference_pending_request_count)": "finite",
+    "skewserve:triton_inflight:rate1m": "positive",
 }
 
 
 def rule_expressions() -> list[tuple[str, str]]:
     rules = yaml.safe_load(RULES.read_text())
     return [(r.get("record") or r["alert"], r["expr"]) for g in rules["groups"] for r in g["rules"]]
+
+
+def keda_expressions() -> list[tuple[str, str]]:
+    """The Triton ScaledObject's trigger queries (cluster label selectors match nothing here)."""
+    docs = yaml.safe_load_all((ROOT / "deploy" / "k8s" / "base" / "triton-autoscaling.yaml").read_text())
+    return [(f"keda {t['name']}", t["metadata"]["query"]) for d in docs if d for t in d["spec"]["triggers"]]
 
 
 def dashboard_expressions() -> list[tuple[str, str]]:
@@ -97,7 +104,7 @@ def live(
         stop_fleet(fleet)
 
 
-@pytest.mark.parametrize("name,expr", rule_expressions() + dashboard_expressions())
+@pytest.mark.parametrize("name,expr", rule_expressions() + dashboard_expressions() + keda_expressions())
 def test_every_rule_and_dashboard_expression_evaluates(live: dict[str, Any], name: str, expr: str) -> None:
     live["prom"].query(expr)  # raises with the server's own error message if it does not parse or run
 

@@ -120,7 +120,9 @@ def test_up_autoscale_flag_serves_through_discovered_servers_and_stops_them(
     )
     with cli_process("up", "--config", str(cfg), "--autoscale", "--log-dir", str(tmp_path / "logs")) as proc:
         text = read_until(proc, "press Ctrl-C")
-        assert re.search(r"autoscaling local: 1-4 servers on inflight \(target 2, cool-down 60s\)", text), text
+        assert re.search(r"autoscaling local: 1-4 servers on inflight \(target 2, cool-down 60s\)", text), (
+            text
+        )
         gw = re.search(r"gateway\s+│\s+local \(home\)\s+│\s+gateway\s+│\s+(http://[\d.]+:\d+)", text)
         assert gw, text
         pids = [int(p) for p in re.findall(r"triton\s+│.*│\s+(\d+)\s+│", text)]
