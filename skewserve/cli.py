@@ -6,6 +6,7 @@ Heavy imports (torch, onnx, grpc) happen inside each command so `skewserve --hel
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -241,9 +242,22 @@ def train_command(
     slow_factor: float = typer.Option(1.0, "--slow-factor", help="How many times slower --slow-rank runs."),
     seed: int = typer.Option(0, "--seed"),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoints/last.pt."),
+    metrics_port: int | None = typer.Option(
+        None,
+        "--metrics-port",
+        min=1,
+        max=65535,
+        help="Serve live Prometheus metrics per rank on 127.0.0.1:PORT+rank (throughput, data and "
+        "all-reduce waits, imbalance, gradient norm).",
+    ),
 ) -> None:
     """Train a skew-balanced MLP and write an artifact directory (weights, metadata.json, metrics.json)."""
     from pydantic import ValidationError
+
+    if metrics_port is not None:
+        from training.metrics_export import PORT_ENV
+
+        os.environ[PORT_ENV] = str(metrics_port)  # every rank inherits it through torchrun
 
     from training.config import TrainConfig
     from training.errors import TrainingError
