@@ -7,6 +7,7 @@ does in a cluster:
     desired = ceil(current * signal / target)      (unchanged while |signal/target - 1| <= tolerance)
     scale up   to the LOWEST recommendation of the last scale_up_window_s   (0: at once)
     scale down to the HIGHEST recommendation of the last scale_down_window_s (the cool-down)
+    at most max_step_up servers more / max_step_down fewer per decision
     clamped to [min_servers, max_servers]
 
 Signals, both read from Triton's own metrics (the Prometheus rules record the same ratios):
@@ -57,6 +58,10 @@ class AutoscalePolicy(BaseModel):
     scale_down_window_s: float = Field(
         default=60.0, ge=0, description="cool-down before removing: the highest recent recommendation wins"
     )
+    max_step_up: int = Field(default=2, ge=1, description="servers added per decision at most")
+    max_step_down: int = Field(
+        default=1, ge=1, description="servers removed per decision at most (GPU pods leave one by one)"
+    )
     window_s: float = Field(default=5.0, gt=0, description="the signal is a rate over this window")
     interval_s: float = Field(default=1.0, gt=0, description="how often the controller decides")
 
@@ -100,6 +105,8 @@ class ScaleDecider:
             desired = up
         if desired > down:
             desired = down
+        # The HPA's rate policies (deploy/k8s: 2 pods up, 1 pod down per period), per decision here.
+        desired = max(current - self.policy.max_step_down, min(current + self.policy.max_step_up, desired))
         return max(self.policy.min_servers, min(self.policy.max_servers, desired))
 
 

@@ -119,20 +119,28 @@ class RegionAutoscaler:
             self.prepared,
         )
 
-    def add(self, count: int) -> None:
-        """Start `count` servers (loading overlaps), publish each once ready."""
+    def add(self, count: int, strict: bool = False) -> None:
+        """Start `count` servers (loading overlaps), publish each once ready.
+
+        strict (the initial servers): a server that does not start raises with Triton's reason;
+        otherwise it is logged and left out, and the next decision tries again.
+        """
         free = [h for h in self.hosts if h not in self.servers][:count]
         started = [self._new_server(h) for h in free]
+        failure: Exception | None = None
         for server in started:
             server._launch(self.prepared)
         for server in started:
             try:
                 server._wait_ready()
-            except Exception:
-                logger.exception("autoscaler: %s failed to start; not published", server.spec.host)
+            except Exception as exc:
+                logger.warning("autoscaler: %s failed to start, not published: %s", server.spec.host, exc)
                 server.stop()
+                failure = failure or exc
                 continue
             self.servers[server.spec.host] = server
+        if strict and failure is not None:
+            raise failure
         self.dns.publish(self.dns_name, set(self.servers))
         logger.info("autoscaler %s: %d server(s) now", self.region, len(self.servers))
 

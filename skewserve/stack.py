@@ -6,6 +6,7 @@ Stack config (YAML or TOML):
     model_control_mode: explicit          # so `skewserve rollout` can load new versions
     regions: {us-east: 2, eu-west: 1}     # servers per region
     response_cache_mb: 0                  # Triton's own response cache per server (MiB, 0: off)
+    autoscale: {target: 2, max_servers: 4} # optional: servers per region follow their load (README)
     gateway: {home_region: us-east, listen: {http_port: 8080, grpc_port: 8081, ops_port: 8082}, cache: {...}}
 The gateway section is a gateway config without `regions`: they are filled in from the servers.
 """
@@ -17,7 +18,7 @@ import json
 import subprocess
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomllib
 import yaml
@@ -28,6 +29,10 @@ from skewserve.autoscale import AutoscalePolicy
 from skewserve.errors import SkewserveError
 from skewserve.gateway_process import GatewayProcess, start_gateway_process
 from skewserve.triton_process import TritonFleet, TritonServerSpec, response_cache_config
+
+if TYPE_CHECKING:
+    from skewserve.local_autoscale import RegionAutoscaler
+    from skewserve.loopback_dns import LoopbackDns
 
 
 class StackConfigError(SkewserveError):
@@ -50,7 +55,7 @@ class StackConfig(BaseModel):
     gateway: dict[str, Any] = Field(default_factory=dict)
     autoscale: AutoscalePolicy | None = Field(
         default=None,
-        description="scale each region's Triton servers on their queue (skewserve up --autoscale); "
+        description="scale each region's Triton servers on their load (skewserve up --autoscale); "
         "`regions` then gives the initial counts",
     )
 
@@ -115,8 +120,8 @@ class LocalStack:
         ]
         # Autoscaled regions' servers belong to their RegionAutoscaler (skewserve/local_autoscale.py).
         self.fleet = TritonFleet([] if config.autoscale else specs, self.log_dir)
-        self.autoscalers: list[Any] = []
-        self.dns: Any = None
+        self.autoscalers: list[RegionAutoscaler] = []
+        self.dns: LoopbackDns | None = None
         self.gateway: GatewayProcess | None = None
         self.gateway_http = ""
         self.gateway_grpc = ""
@@ -143,7 +148,6 @@ class LocalStack:
         from skewserve.local_autoscale import RegionAutoscaler
         from skewserve.loopback_dns import LoopbackDns
         from skewserve.triton_dist import prepare_triton
-        from skewserve.triton_process import response_cache_config
 
         policy = self.config.autoscale
         assert policy is not None
@@ -168,7 +172,7 @@ class LocalStack:
                 gateway_lists=functools.partial(self._gateway_lists_in, region),
             )
             self.autoscalers.append(scaler)
-            scaler.add(max(policy.min_servers, min(policy.max_servers, n)))
+            scaler.add(max(policy.min_servers, min(policy.max_servers, n)), strict=True)
 
     def _gateway_lists_in(self, region: str, address: str) -> bool:
         return self._gateway_lists(f"{region}/{address}")  # discovered servers are named region/address

@@ -63,6 +63,10 @@ def test_scaled_object_windows_and_signal_match_the_local_policy() -> None:
     behavior = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     assert behavior["scaleUp"]["stabilizationWindowSeconds"] == AutoscalePolicy().scale_up_window_s == 0
     assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= AutoscalePolicy().scale_down_window_s
+    assert behavior["scaleUp"]["policies"] == [
+        {"type": "Pods", "value": AutoscalePolicy().max_step_up, "periodSeconds": 60}
+    ]
+    assert behavior["scaleDown"]["policies"][0]["value"] == AutoscalePolicy().max_step_down
     inflight = next(t for t in so["spec"]["triggers"] if t["name"] == "inflight-per-server")
     assert inflight["metricType"] == "AverageValue"
     assert "rate(nv_inference_request_duration_us" in inflight["metadata"]["query"]

@@ -44,7 +44,9 @@ def test_scale_up_at_once_scale_down_only_after_the_cool_down() -> None:
     clock.now = 29
     assert d.decide(3, 0) == 3
     clock.now = 30.5
-    assert d.decide(3, 0) == 1  # the last high recommendation left the window
+    assert d.decide(3, 0) == 2  # the last high recommendation left the window: one server at a time
+    clock.now = 31
+    assert d.decide(2, 0) == 1
 
 
 def test_a_short_dip_inside_the_cool_down_does_not_remove_servers() -> None:
@@ -64,7 +66,7 @@ def test_scale_up_window_needs_a_lasting_signal() -> None:
     clock.now = 1
     assert d.decide(1, 4000) == 1  # the recommendation 1 of t=0 is the lowest within 10 s
     clock.now = 10.5
-    assert d.decide(1, 4000) == 4  # high for the whole window
+    assert d.decide(1, 4000) == 3  # high for the whole window: 4 recommended, +2 per decision
 
 
 def test_signal_window_is_a_rate_of_queue_time_per_request_over_servers_present_throughout() -> None:
@@ -103,3 +105,8 @@ def test_parse_triton_metrics_sums_models() -> None:
 def test_policy_bounds_are_checked() -> None:
     with pytest.raises(ValidationError, match=r"min_servers \(3\) is above max_servers \(2\)"):
         AutoscalePolicy(min_servers=3, max_servers=2)
+
+
+def test_steps_are_bounded_per_decision() -> None:
+    d = ScaleDecider(POLICY, Clock())
+    assert d.decide(1, 10_000) == 3  # asks for 5 (max), adds at most 2 per decision
