@@ -31,7 +31,7 @@ def stack(gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory):
 
 def _gateway_requests(stack: LocalStack) -> int:
     """Sum of the gateway's skewserve_gateway_requests_total (every inference, whatever its outcome)."""
-    with urllib.request.urlopen(f"http://{stack.gateway_http}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://{stack.gateway_ops}/metrics", timeout=10) as r:
         text = r.read().decode()
     return int(
         sum(
