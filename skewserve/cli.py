@@ -6,6 +6,7 @@ Heavy imports (torch, onnx, grpc) happen inside each command so `skewserve --hel
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -80,12 +81,19 @@ def triton_up(
         "local", "--model-config-name", help="Config profile: configs/<name>.pbtxt ('' for config.pbtxt)."
     ),
     control_mode: str = typer.Option("none", "--model-control-mode", help="none | poll | explicit."),
+    response_cache_mb: int = typer.Option(
+        0,
+        "--response-cache-mb",
+        min=0,
+        help="Triton's own response cache per server, in MiB (0: off). Models opt in with "
+        "`skewserve export --response-cache`; hits show as nv_cache_num_hits_per_model.",
+    ),
     log_dir: Path = typer.Option(Path("runs/triton-logs"), "--log-dir"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Start tritonserver processes per region on REPO, print their endpoints, stop them on Ctrl-C."""
     from skewserve.errors import SkewserveError
-    from skewserve.triton_process import TritonFleet
+    from skewserve.triton_process import TritonFleet, response_cache_config
 
     _setup_logging(verbose)
     region_list = [r.strip() for r in regions.split(",") if r.strip()]
@@ -101,6 +109,7 @@ def triton_up(
             log_dir,
             model_config_name=config_name or None,
             model_control_mode=control_mode,
+            cache_config=response_cache_config(response_cache_mb),
         )
         with console.status(f"starting {len(fleet.servers)} tritonserver process(es)"):
             fleet.start()
@@ -276,9 +285,22 @@ def train_command(
     slow_factor: float = typer.Option(1.0, "--slow-factor", help="How many times slower --slow-rank runs."),
     seed: int = typer.Option(0, "--seed"),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoints/last.pt."),
+    metrics_port: int | None = typer.Option(
+        None,
+        "--metrics-port",
+        min=1,
+        max=65535,
+        help="Serve live Prometheus metrics per rank on 127.0.0.1:PORT+rank (throughput, data and "
+        "all-reduce waits, imbalance, gradient norm).",
+    ),
 ) -> None:
     """Train a skew-balanced MLP and write an artifact directory (weights, metadata.json, metrics.json)."""
     from pydantic import ValidationError
+
+    if metrics_port is not None:
+        from training.metrics_export import PORT_ENV
+
+        os.environ[PORT_ENV] = str(metrics_port)  # every rank inherits it through torchrun
 
     from training.config import TrainConfig
     from training.errors import TrainingError
@@ -602,6 +624,20 @@ def up_command(
         ..., "--config", help="Stack config: model repository, regions, gateway settings."
     ),
     log_dir: Path = typer.Option(Path("runs/stack-logs"), "--log-dir"),
+    response_cache_mb: int | None = typer.Option(
+        None,
+        "--response-cache-mb",
+        min=0,
+        help="Triton's own response cache per server, in MiB (0: off); overrides the config's "
+        "response_cache_mb. Models opt in with `skewserve export --response-cache`.",
+    ),
+    autoscale: bool = typer.Option(
+        False,
+        "--autoscale",
+        help="Start and stop Triton servers per region on their load (the config's `autoscale` "
+        "policy, else the default: 2 requests in flight per server, 1-4 servers, 60 s cool-down); "
+        "the gateway follows them through DNS discovery.",
+    ),
 ) -> None:
     """Start the Triton servers the config names (local CPU profile) and the gateway; Ctrl-C stops all."""
     from skewserve.errors import SkewserveError
@@ -613,6 +649,12 @@ def up_command(
     except StackConfigError as exc:
         error(exc)
         raise typer.Exit(2) from exc
+    if response_cache_mb is not None:
+        stack_cfg = stack_cfg.model_copy(update={"response_cache_mb": response_cache_mb})
+    if autoscale and stack_cfg.autoscale is None:
+        from skewserve.autoscale import AutoscalePolicy
+
+        stack_cfg = stack_cfg.model_copy(update={"autoscale": AutoscalePolicy()})
     stack = LocalStack(stack_cfg, log_dir)
     try:
         with console.status("starting tritonserver processes and the gateway"):
@@ -643,9 +685,19 @@ def print_stack(stack: Any) -> None:
         text(stack.gateway_grpc),
         gw_pid,
     )
-    for s in stack.fleet.servers:
+    servers = list(stack.fleet.servers)
+    for scaler in getattr(stack, "autoscalers", []):
+        servers += list(scaler.servers.values())
+    for s in servers:
         table.add_row("triton", *map(text, (s.spec.region, s.spec.name, s.http_url, s.grpc_address, s.pid)))
     console.print(table)
+    for scaler in getattr(stack, "autoscalers", []):
+        p = scaler.policy
+        console.print(
+            f"autoscaling {scaler.region}: {p.min_servers}-{p.max_servers} servers on {p.signal} "
+            f"(target {p.target:g}, cool-down {p.scale_down_window_s:g}s), published as "
+            f"{scaler.dns_name} on {scaler.dns.address}"
+        )
     if stack.gateway_ops:
         console.print(
             f"gateway ops listener (metrics, admin): http://{stack.gateway_ops}/metrics, "
@@ -749,6 +801,102 @@ def print_loadtest(result: Any) -> None:
     if extra:
         say(", ".join(extra))
     say("files: " + ", ".join(str(p) for p in result.files.values()))
+
+
+@app.command("plan")
+def plan_command(
+    traffic: Path = typer.Option(
+        ..., "--traffic", help="YAML: per region peak_rps and a 24-value daily curve."
+    ),
+    prices: Path = typer.Option(
+        ..., "--prices", help="YAML: per instance type on_demand, reserved, spot $/h."
+    ),
+    capacity: Path | None = typer.Option(
+        None, "--capacity", help="YAML: measurements (instance_type, servers, rps, p99_ms)."
+    ),
+    loadtest_dir: Path | None = typer.Option(
+        None, "--loadtest", help="Use a `skewserve loadtest --out` directory as the measurement."
+    ),
+    servers_tested: int = typer.Option(
+        1, "--servers-tested", min=1, help="Triton servers behind --loadtest."
+    ),
+    instance_type: str = typer.Option("local", "--instance-type", help="Instance type --loadtest ran on."),
+    slo_p99_ms: float = typer.Option(
+        100.0, "--slo-p99-ms", min=0.001, help="Latency SLO capacity is read at."
+    ),
+    cache_hit_rate: float = typer.Option(0.0, "--cache-hit-rate", min=0.0, max=0.99),
+    spot_share: float = typer.Option(0.0, "--spot-share", min=0.0, max=1.0, help="Elastic servers on spot."),
+    utilization: float = typer.Option(
+        0.7, "--utilization", min=0.01, max=1.0, help="Planned load / capacity."
+    ),
+    min_servers: int = typer.Option(2, "--min-servers", min=1, help="Per region, at every hour."),
+    out: Path = typer.Option(Path("runs/plan"), "--out", help="Writes plan.json and plan.png here."),
+) -> None:
+    """Servers per region over the day, cost per hour and month, cost per million inferences."""
+    import json
+
+    from skewserve.plan import (
+        PlanInputError,
+        PlanOptions,
+        capacity_from_loadtest,
+        load_capacity,
+        load_prices,
+        load_traffic,
+        make_plan,
+        plot_plan,
+    )
+
+    _setup_logging(False)
+    if (capacity is None) == (loadtest_dir is None):
+        raise typer.BadParameter(
+            "give exactly one of --capacity FILE or --loadtest DIR", param_hint="--capacity"
+        )
+    try:
+        caps = (
+            load_capacity(capacity, slo_p99_ms)
+            if capacity is not None
+            else capacity_from_loadtest(loadtest_dir, servers_tested, instance_type, slo_p99_ms)  # type: ignore[arg-type]
+        )
+        opts = PlanOptions(
+            cache_hit_rate=cache_hit_rate,
+            spot_share=spot_share,
+            utilization=utilization,
+            min_servers=min_servers,
+        )
+        plan = make_plan(load_traffic(traffic), caps, load_prices(prices), opts)
+    except PlanInputError as exc:
+        error(exc)
+        raise typer.Exit(2) from exc
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(plan.summary(), indent=2))
+    plot_plan(plan, out / "plan.png")
+    table = Table(title="skewserve plan (per region)")
+    for col in ("region", "type", "rps/server", "servers min-max", "reserved", "autoscaler", "$/month"):
+        table.add_column(col, no_wrap=True)
+    for r in plan.regions:
+        table.add_row(
+            *map(
+                text,
+                (
+                    r.region,
+                    r.instance_type,
+                    f"{r.capacity_rps:g}",
+                    f"{min(r.servers)}-{max(r.servers)}",
+                    r.baseline,
+                    f"{r.autoscaler_min}-{r.autoscaler_max}",
+                    f"{r.monthly_cost:,.2f}",
+                ),
+            )
+        )
+    console.print(table)
+    s = plan.summary()
+    say(f"cost: ${s['cost_per_hour']:,.2f}/hour, ${s['monthly_cost']:,.2f}/month")
+    say(f"cost per million inferences: ${s['cost_per_million_inferences']:.4f}")
+    say(
+        f"cache saves ${s['cache_saves_per_month']:,.2f}/month, spot saves ${s['spot_saves_per_month']:,.2f}/month"
+    )
+    say(f"all on demand without cache: ${s['all_on_demand_monthly_cost']:,.2f}/month")
+    say(f"written: {out / 'plan.json'}, {out / 'plan.png'}")
 
 
 @app.command("demo")

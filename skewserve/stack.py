@@ -5,24 +5,34 @@ Stack config (YAML or TOML):
     model_config_name: local              # CPU profile (configs/local.pbtxt)
     model_control_mode: explicit          # so `skewserve rollout` can load new versions
     regions: {us-east: 2, eu-west: 1}     # servers per region
+    response_cache_mb: 0                  # Triton's own response cache per server (MiB, 0: off)
+    autoscale: {target: 2, max_servers: 4} # optional: servers per region follow their load (README)
     gateway: {home_region: us-east, listen: {http_port: 8080, grpc_port: 8081, ops_port: 8082}, cache: {...}}
 The gateway section is a gateway config without `regions`: they are filled in from the servers.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import subprocess
+import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.config import GatewayConfig, RegionConfig, ServerConfig, format_validation_error
+from skewserve.autoscale import AutoscalePolicy
 from skewserve.errors import SkewserveError
 from skewserve.gateway_process import GatewayProcess, start_gateway_process
-from skewserve.triton_process import TritonFleet, TritonServerSpec
+from skewserve.triton_process import TritonFleet, TritonServerSpec, response_cache_config
+
+if TYPE_CHECKING:
+    from skewserve.local_autoscale import RegionAutoscaler
+    from skewserve.loopback_dns import LoopbackDns
 
 
 class StackConfigError(SkewserveError):
@@ -36,7 +46,18 @@ class StackConfig(BaseModel):
     model_config_name: str | None = "local"
     model_control_mode: str = "explicit"
     regions: dict[str, int] = Field(min_length=1, description="region name -> number of Triton servers")
+    response_cache_mb: int = Field(
+        default=0,
+        ge=0,
+        description="size of Triton's own response cache per server in MiB (0: off); models opt in "
+        "with `skewserve export --response-cache`",
+    )
     gateway: dict[str, Any] = Field(default_factory=dict)
+    autoscale: AutoscalePolicy | None = Field(
+        default=None,
+        description="scale each region's Triton servers on their load (skewserve up --autoscale); "
+        "`regions` then gives the initial counts",
+    )
 
     @field_validator("regions")
     @classmethod
@@ -92,11 +113,15 @@ class LocalStack:
                 model_config_name=config.model_config_name,
                 model_control_mode=config.model_control_mode,
                 load_models=("*",) if config.model_control_mode == "explicit" else (),
+                cache_config=response_cache_config(config.response_cache_mb),
             )
             for region, n in config.regions.items()
             for i in range(n)
         ]
-        self.fleet = TritonFleet(specs, self.log_dir)
+        # Autoscaled regions' servers belong to their RegionAutoscaler (skewserve/local_autoscale.py).
+        self.fleet = TritonFleet([] if config.autoscale else specs, self.log_dir)
+        self.autoscalers: list[RegionAutoscaler] = []
+        self.dns: LoopbackDns | None = None
         self.gateway: GatewayProcess | None = None
         self.gateway_http = ""
         self.gateway_grpc = ""
@@ -105,6 +130,9 @@ class LocalStack:
 
     def gateway_config(self) -> dict[str, Any]:
         cfg = dict(self.config.gateway)
+        if self.autoscalers:
+            cfg["regions"] = [{"name": a.region, "discover": a.discover} for a in self.autoscalers]
+            return cfg
         cfg["regions"] = [
             {
                 "name": region,
@@ -116,9 +144,54 @@ class LocalStack:
         ]
         return cfg
 
+    def _start_autoscalers(self) -> None:
+        from skewserve.local_autoscale import RegionAutoscaler
+        from skewserve.loopback_dns import LoopbackDns
+        from skewserve.triton_dist import prepare_triton
+
+        policy = self.config.autoscale
+        assert policy is not None
+        self.dns = LoopbackDns()
+        prepared = prepare_triton()
+        spec = {
+            "repository": self.config.repository,
+            "model_config_name": self.config.model_config_name,
+            "model_control_mode": self.config.model_control_mode,
+            "load_models": ("*",) if self.config.model_control_mode == "explicit" else (),
+            "cache_config": response_cache_config(self.config.response_cache_mb),
+        }
+        for index, (region, n) in enumerate(self.config.regions.items()):
+            scaler = RegionAutoscaler(
+                region,
+                index,
+                policy,
+                spec,
+                self.log_dir,
+                prepared,
+                self.dns,
+                gateway_lists=functools.partial(self._gateway_lists_in, region),
+            )
+            self.autoscalers.append(scaler)
+            scaler.add(max(policy.min_servers, min(policy.max_servers, n)), strict=True)
+
+    def _gateway_lists_in(self, region: str, address: str) -> bool:
+        return self._gateway_lists(f"{region}/{address}")  # discovered servers are named region/address
+
+    def _gateway_lists(self, name: str) -> bool:
+        """Does the gateway still hold server `name` (its ops listener's /admin/upstreams)?"""
+        if not self.gateway_ops:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://{self.gateway_ops}/admin/upstreams", timeout=5) as r:
+                return any(s["name"] == name for s in json.loads(r.read())["servers"])
+        except (OSError, ValueError):  # gateway gone or stopping: it routes nothing any more
+            return False
+
     def start(self, timeout_s: float = 60.0) -> LocalStack:
-        self.fleet.start()
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.autoscale:
+            self._start_autoscalers()
+        self.fleet.start()
         self.gateway_config_path.write_text(yaml.safe_dump(self.gateway_config()))
         host = self.config.gateway.get("listen", {}).get("host", "127.0.0.1")
         self.gateway = start_gateway_process(
@@ -126,6 +199,8 @@ class LocalStack:
         )
         self.gateway_http, self.gateway_grpc = self.gateway.http, self.gateway.grpc
         self.gateway_ops = self.gateway.ops
+        for scaler in self.autoscalers:
+            scaler.start_loop()
         return self
 
     @property
@@ -133,9 +208,17 @@ class LocalStack:
         return self.gateway.proc if self.gateway is not None else None
 
     def stop(self) -> None:
+        for scaler in self.autoscalers:
+            scaler._stop.set()  # no scaling while the gateway goes away
         if self.gateway is not None:
             self.gateway.stop()
             self.gateway = None
+        for scaler in self.autoscalers:
+            scaler.stop()
+        self.autoscalers = []
+        if self.dns is not None:
+            self.dns.close()
+            self.dns = None
         self.fleet.stop()
 
     def __enter__(self) -> LocalStack:

@@ -31,6 +31,17 @@ _PORT_TAKEN = re.compile(
 )
 
 
+def response_cache_config(size_mb: int) -> tuple[str, ...]:
+    """`--cache-config` values for Triton's local response cache of `size_mb` MiB (0: off).
+
+    Only models whose config says `response_cache { enable: true }` use it
+    (`skewserve export --response-cache`); the others are unaffected.
+    """
+    if size_mb < 0:
+        raise ValueError(f"response cache size must be >= 0 MiB, got {size_mb}")
+    return (f"local,size={size_mb * 1024 * 1024}",) if size_mb else ()
+
+
 class TritonServerSpec(BaseModel):
     """What one tritonserver process serves and where; unset ports are chosen free at start."""
 

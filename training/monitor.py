@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from training.metrics_export import rank_exporter
+
 
 @dataclass
 class StepRecord:
@@ -67,6 +69,7 @@ class SkewMonitor:
         self.epoch_path = directory / "monitor-epochs.jsonl"
         self._file = open(self.step_path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         self.epoch = EpochAccumulator(n_classes)
+        self.exporter = rank_exporter(rank)  # live Prometheus metrics, when switched on (metrics_export)
 
     def start_epoch(self) -> None:
         self.epoch = EpochAccumulator(self.n_classes)
@@ -80,6 +83,8 @@ class SkewMonitor:
         self.epoch.class_counts += np.bincount(labels, minlength=self.n_classes)
         row = asdict(rec) | {"samples_per_s": round(rec.samples_per_s, 1)}
         self._file.write(json.dumps(row) + "\n")
+        if self.exporter is not None:
+            self.exporter.step(rec)
 
     def finish_epoch(self, epoch: int, wall_s: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Combine every rank's epoch totals (collective: all ranks call it) and log the summary."""
@@ -117,7 +122,11 @@ class SkewMonitor:
         if self.rank == 0:
             with open(self.epoch_path, "a") as f:
                 f.write(json.dumps(summary) + "\n")
+        if self.exporter is not None:
+            self.exporter.finished_epoch(summary)
         return summary
 
     def close(self) -> None:
         self._file.close()
+        if self.exporter is not None:
+            self.exporter.close()

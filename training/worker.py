@@ -317,7 +317,14 @@ class Trainer:
         clock.mark("backward_end")
         self.scaler.unscale_(self.optimizer)
         if self.cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            if self.monitor.exporter is not None:  # live metrics (training/metrics_export.py)
+                self.monitor.exporter.gradient_norm(float(norm))
+        elif self.monitor.exporter is not None:
+            norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in self.model.parameters() if p.grad is not None]
+            )
+            self.monitor.exporter.gradient_norm(float(norm))
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

@@ -152,7 +152,7 @@ def test_grafana_is_provisioned_with_the_datasource_and_dashboard(rendered: dict
     provider = yaml.safe_load((provisioning / "dashboards" / "skewserve.yaml").read_text())["providers"][0]
     dashboard_dir = provider["options"]["path"]
     dashboards = [t for t in mounts if t.startswith(dashboard_dir + "/")]
-    assert [mounts[t].name for t in dashboards] == ["skewserve-gateway.json"]
+    assert sorted(mounts[t].name for t in dashboards) == ["skewserve-gateway.json", "skewserve-training.json"]
 
 
 def test_images_are_pinned_by_exact_tag(rendered: dict[str, Any]) -> None:

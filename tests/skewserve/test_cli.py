@@ -20,7 +20,18 @@ def test_help_lists_exactly_the_products_commands() -> None:
     res = subprocess.run([*SKEWSERVE, "--help"], capture_output=True, text=True, check=True)
     commands = res.stdout.split("\nCommands:\n", 1)[1]
     names = [line.split()[0] for line in commands.splitlines() if line.strip()]
-    assert names == ["train", "export", "rollout", "up", "loadtest", "demo", "triton", "gateway", "data"]
+    assert names == [
+        "train",
+        "export",
+        "rollout",
+        "up",
+        "loadtest",
+        "plan",
+        "demo",
+        "triton",
+        "gateway",
+        "data",
+    ]
     assert "  triton    Run real tritonserver processes locally (CPU profile).\n" in commands
     assert "  data      Data sets: generate long-tailed data, inspect class balance.\n" in commands
 
