@@ -39,10 +39,10 @@ class TrainConfig(BaseModel):
     budget_epochs: int = Field(default=30, ge=1, description="passes over the data in the automatic budget")
     global_batch_size: int = Field(default=256, ge=1)
     lr: float = Field(default=3e-3, gt=0)
-    weight_decay: float = Field(
-        default=1.0,
-        ge=0,
-        description="AdamW's decoupled decay: each step shrinks weights by lr * weight_decay",
+    weight_decay: float | Literal["auto"] = Field(
+        default="auto",
+        description="AdamW's decoupled decay: each step shrinks weights by lr * weight_decay; "
+        "auto: min(3, 6 * sqrt(features / training rows)), twice the auto input noise",
     )
     warmup_fraction: float = Field(default=0.05, ge=0, lt=1)
     input_noise: float | Literal["auto"] = Field(
@@ -107,6 +107,8 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"slow_rank {self.slow_rank} does not exist with {where}; use 0..{self.world_size - 1}"
             )
+        if isinstance(self.weight_decay, float) and self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0 or 'auto', got {self.weight_decay}")
         if isinstance(self.input_noise, float) and self.input_noise < 0:
             raise ValueError(f"input_noise must be >= 0 or 'auto', got {self.input_noise}")
         if self.nnodes > 1 and not self.rdzv_endpoint:

@@ -29,7 +29,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from training.artifact import FORMAT_VERSION, write_artifact
-from training.budget import SmoothedEarlyStopping, resolve_budget, resolve_input_noise
+from training.budget import (
+    SmoothedEarlyStopping,
+    resolve_budget,
+    resolve_input_noise,
+    resolve_weight_decay,
+)
 from training.checkpoint import load_newest_checkpoint, save_checkpoint
 from training.config import TrainConfig
 from training.data import Split, TabularDataset, load_data_dir
@@ -191,10 +196,16 @@ class Trainer:
         self.budget = resolve_budget(cfg, self.steps_per_epoch, len(self.data.val))
         self.early_stop = SmoothedEarlyStopping(self.budget)
         self.input_noise = resolve_input_noise(cfg, len(train), train.features.shape[1])
+        self.weight_decay = resolve_weight_decay(cfg, len(train), train.features.shape[1])
         if self.rank == 0:
-            logger.info("budget: %s; input noise %.3f", self.budget.reason, self.input_noise)
+            logger.info(
+                "budget: %s; input noise %.3f; weight decay %.3f",
+                self.budget.reason,
+                self.input_noise,
+                self.weight_decay,
+            )
         total_steps = self.budget.total_steps
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=self.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(total_steps, int(cfg.warmup_fraction * total_steps))
         )
@@ -427,6 +438,7 @@ class Trainer:
             "steps_run": len(epochs) * self.steps_per_epoch,
             "budget": self.budget.reason,
             "input_noise": round(self.input_noise, 4),
+            "weight_decay": round(self.weight_decay, 4),
             "best_epoch": self.best_epoch,
             "mean_epoch_wall_s": float(np.mean([e["wall_s"] for e in epochs])) if epochs else 0.0,
             "mean_imbalance_ratio": float(np.mean([e["imbalance_ratio"] for e in epochs])) if epochs else 1.0,

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from training.budget import SmoothedEarlyStopping, resolve_budget, resolve_input_noise
+from training.budget import (
+    SmoothedEarlyStopping,
+    resolve_budget,
+    resolve_input_noise,
+    resolve_weight_decay,
+)
 from training.config import TrainConfig
 from training.launch import train
 
@@ -59,6 +64,16 @@ def test_input_noise_scales_with_features_over_rows(tmp_path: Path) -> None:
         _cfg(tmp_path, input_noise=-1.0)
 
 
+def test_weight_decay_scales_with_features_over_rows(tmp_path: Path) -> None:
+    # twice the auto input noise: 6 * sqrt(features / rows), capped at 3
+    assert resolve_weight_decay(_cfg(tmp_path), n_rows=5000, n_features=16) == pytest.approx(0.3394, abs=1e-4)
+    assert resolve_weight_decay(_cfg(tmp_path), n_rows=124, n_features=30) == pytest.approx(2.9512, abs=1e-4)
+    assert resolve_weight_decay(_cfg(tmp_path), n_rows=36, n_features=13) == 3.0
+    assert resolve_weight_decay(_cfg(tmp_path, weight_decay=0.5), n_rows=36, n_features=13) == 0.5
+    with pytest.raises(ValueError, match="weight_decay must be >= 0 or 'auto', got -1.0"):
+        _cfg(tmp_path, weight_decay=-1.0)
+
+
 def test_budget_reaches_the_run(small_data: Path, tmp_path: Path) -> None:
     meta = train(
         TrainConfig(
@@ -70,5 +85,6 @@ def test_budget_reaches_the_run(small_data: Path, tmp_path: Path) -> None:
     assert (prov["epochs_run"], prov["steps_run"]) == (3, 36)
     assert prov["budget"].startswith("30 steps (--max-steps) = 3 epochs, 36 steps")
     assert prov["input_noise"] == pytest.approx(0.3119, abs=1e-3)  # 3 * sqrt(8 / 740)
+    assert prov["weight_decay"] == pytest.approx(0.6238, abs=1e-3)  # 6 * sqrt(8 / 740)
     epochs = (tmp_path / "a" / "checkpoints" / "monitor-epochs.jsonl").read_text().splitlines()
     assert len(epochs) == 3 and "val_balanced_accuracy_smoothed" in json.loads(epochs[-1])
