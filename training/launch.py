@@ -2,8 +2,9 @@
 
 One node: torchrun --standalone. Several nodes: one torchrun agent per node, all given the same
 --rdzv-endpoint (the c10d rendezvous store, hosted by the agent whose address it names) and
---rdzv-id; global ranks are assigned at rendezvous. With --max-restarts an agent restarts the
-whole job after a worker fails and the workers resume from the checkpoint directory.
+--rdzv-id; global ranks are assigned at rendezvous. With --max-restarts the agents restart the
+whole job after a worker fails (a new rendezvous round with a fresh store, see `torchrun_env`)
+and the workers resume from the checkpoint directory.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,22 @@ def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
     ]
 
 
+def torchrun_env(cfg: TrainConfig, base: Mapping[str, str]) -> dict[str, str]:
+    """The environment of this node's torchrun agent (and so of its workers)."""
+    env = dict(base)
+    # torchrun's c10d rendezvous hands its workers one TCPStore, kept by the agent across restarts,
+    # and the process group writes the same keys in every round: after a worker fails, a restarted
+    # gloo rank can read its peer's address of the previous round and connectFullMesh is refused
+    # (pytorch/pytorch#135712). Opting out gives every round a fresh store, hosted by global rank 0
+    # on a new port. A user's own setting wins.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if cfg.threads_per_rank:
+        env["OMP_NUM_THREADS"] = str(cfg.threads_per_rank)
+    else:  # a user's OMP_NUM_THREADS wins over the even split of this node's cores
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
+    return env
+
+
 def _write_atomically(path: Path, text: str) -> None:
     # Several nodes may write the same file into a shared directory: each writes aside and renames.
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -69,11 +87,7 @@ def train(cfg: TrainConfig, log_path: Path | None = None) -> dict[str, Any]:
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
         config_path = cfg.out_dir / "train_config.json"
         _write_atomically(config_path, cfg.model_dump_json(indent=2))
-        env = dict(os.environ)
-        if cfg.threads_per_rank:
-            env["OMP_NUM_THREADS"] = str(cfg.threads_per_rank)
-        else:  # a user's OMP_NUM_THREADS wins over the even split of this node's cores
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
+        env = torchrun_env(cfg, os.environ)
         with contextlib.ExitStack() as stack:
             log = stack.enter_context(open(log_path, "w")) if log_path is not None else None
             proc = subprocess.run(

@@ -218,6 +218,7 @@ class Trainer:
         self.y = torch.from_numpy(np.array(train.labels, copy=True))
         self.start_epoch = 0
         self.resumed_from_epoch: int | None = None
+        self.elastic_restarts = 0  # torchrun restarts of the job before this run, agreed by all ranks
         self.best_bacc = -1.0
         self.best_epoch = -1
         self.best_state: dict[str, torch.Tensor] | None = None
@@ -230,9 +231,17 @@ class Trainer:
 
     def maybe_resume(self) -> None:
         # torchrun's elastic restarts (--max-restarts) relaunch every worker: they continue from the
-        # checkpoint as if --resume had been given.
+        # checkpoint as if --resume had been given. TORCHELASTIC_RESTART_COUNT is counted per agent:
+        # an agent whose own workers were healthy restarts them for the re-rendezvous without
+        # counting, so after one node's worker fails the nodes disagree (1 vs 0). The ranks agree on
+        # the largest count, since loading the checkpoint is a collective every rank must join.
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if not self.cfg.resume and restarts == 0:
+        want = int(self.cfg.resume)
+        if self.world > 1 and dist.is_initialized():
+            agreed = _all_gather_floats([float(want), float(restarts)], self.world, self.device).max(axis=0)
+            want, restarts = int(agreed[0]), int(agreed[1])
+        self.elastic_restarts = restarts
+        if not want and restarts == 0:
             return
         # Each rank reads its node's view of the directory; all take the newest (see checkpoint.py).
         state = load_newest_checkpoint(self.cfg.checkpoint_dir, self.world, self.device)
@@ -265,7 +274,7 @@ class Trainer:
             state["history"],
         )
         if self.rank == 0:
-            logger.info("resumed from epoch %d", state["epoch"])
+            logger.info("resumed from epoch %d (elastic restart %d)", state["epoch"], restarts)
 
     def _checkpoint(self, epoch: int) -> None:
         if self.rank == 0:
@@ -473,6 +482,7 @@ class Trainer:
                 ),
                 "nnodes": self.cfg.nnodes,
                 "resumed_from_epoch": self.resumed_from_epoch,
+                "elastic_restarts": self.elastic_restarts,
                 "loss": self.cfg.loss,
                 "tau": self.cfg.tau,
                 "sampler_q": self.cfg.sampler_q,

@@ -3,6 +3,7 @@
 Each "node" is a real `skewserve train` process whose torchrun agent launches one worker. The out
 directory is the same path for both, as a checkpoint directory shared between nodes would be.
 A node is lost by SIGKILLing its CLI, agent and worker; the job then resumes from the checkpoint.
+A worker alone is lost by SIGKILLing it; the agents restart the job by themselves (--max-restarts).
 Every wait is bounded in time and polls observable state (exit codes, files), never a sleep.
 """
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from training.config import TrainConfig
-from training.launch import torchrun_command
+from training.launch import torchrun_command, torchrun_env
 
 pytestmark = pytest.mark.slow
 WAIT_S = 240.0  # a bound on each phase on a loaded 2-core machine, not a duration under test
@@ -57,6 +58,17 @@ class Node:
             return [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return []
+
+    def worker(self) -> psutil.Process:
+        """This node's training worker: the child of its torchrun agent running training.worker."""
+        # the agent's own command line names the module too (`torch.distributed.run ... -m training.worker`)
+        workers = [
+            p
+            for p in self.tree()
+            if "training.worker" in (c := p.cmdline()) and "torch.distributed.run" not in c
+        ]
+        assert len(workers) == 1, f"expected one worker on {self.name}, found {workers}"
+        return workers[0]
 
     def kill_node(self) -> None:
         """Lose the node: SIGKILL the CLI, its torchrun agent and the worker (own session), by pid."""
@@ -154,6 +166,15 @@ def test_command_line_for_several_nodes_drops_standalone(tmp_path: Path) -> None
         TrainConfig(data_dir=tmp_path, out_dir=tmp_path, nnodes=2)
 
 
+def test_agents_get_a_fresh_store_per_rendezvous_round(tmp_path: Path) -> None:
+    cfg = TrainConfig(data_dir=tmp_path, out_dir=tmp_path, nproc=2, threads_per_rank=1)
+    assert torchrun_env(cfg, {})["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert (
+        torchrun_env(cfg, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
+        == "0"
+    )
+
+
 def test_two_nodes_train_one_job(small_data: Path, tmp_path: Path, nodes: Callable[..., Node]) -> None:
     out, port = tmp_path / "art", _free_port()
     a = nodes("node-a", _job_args(small_data, out, port, "--epochs", "2"))
@@ -198,3 +219,38 @@ def test_job_resumes_across_nodes_after_a_node_is_killed(
         for x in (out / "checkpoints" / "monitor-epochs.jsonl").read_text().splitlines()
     ]
     assert epochs_seen[-1] == int(epochs) - 1 and saved + 1 in epochs_seen
+
+
+def _epochs_seen(out: Path) -> list[int]:
+    lines = (out / "checkpoints" / "monitor-epochs.jsonl").read_text().splitlines()
+    return [json.loads(x)["epoch"] for x in lines]
+
+
+def test_agents_restart_the_job_after_a_worker_is_killed(
+    small_data: Path, tmp_path: Path, nodes: Callable[..., Node]
+) -> None:
+    """SIGKILL one worker: both agents re-rendezvous and the job finishes by itself from the checkpoint."""
+    out, epochs = tmp_path / "art", 16
+    port = _free_port()
+    args = _job_args(
+        small_data, out, port, "--epochs", str(epochs), "--checkpoint-every-steps", "1", "--max-restarts", "2"
+    )
+    a, b = nodes("node-a", args), nodes("node-b", args)
+    _wait_for(
+        lambda: _epochs_logged(out) >= 2 and (out / "checkpoints" / "last.pt").is_file(), "2 epochs", [a, b]
+    )
+    victim = b.worker()
+    saved = torch.load(out / "checkpoints" / "last.pt", weights_only=False)["epoch"]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(30)
+    # no relaunch: the agents (CLI processes) survive and finish the job through torchrun's restart
+    assert a.wait() == 0, a.log()[-3000:]
+    assert b.wait() == 0, b.log()[-3000:]
+    prov = json.loads((out / "metadata.json").read_text())["provenance"]
+    resumed = prov["resumed_from_epoch"]
+    assert prov["world_size"] == 2 and prov["elastic_restarts"] >= 1, prov
+    # a checkpoint may land between reading last.pt and the kill: the job resumes from that one or later
+    assert resumed is not None and saved <= resumed < epochs - 1, (saved, resumed)
+    assert f"resumed from epoch {resumed} (elastic restart {prov['elastic_restarts']})" in a.log() + b.log()
+    seen = _epochs_seen(out)
+    assert seen[-1] == epochs - 1 and resumed + 1 in seen
