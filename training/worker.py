@@ -234,7 +234,8 @@ class Trainer:
         # checkpoint as if --resume had been given. TORCHELASTIC_RESTART_COUNT is counted per agent:
         # an agent whose own workers were healthy restarts them for the re-rendezvous without
         # counting, so after one node's worker fails the nodes disagree (1 vs 0). The ranks agree on
-        # the largest count, since loading the checkpoint is a collective every rank must join.
+        # the largest count, since loading the checkpoint is a collective every rank must join
+        # (a rank that skipped it left the others in all_gather and the restarted job hung).
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         want = int(self.cfg.resume)
         if self.world > 1 and dist.is_initialized():
