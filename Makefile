@@ -43,12 +43,15 @@ $(STAMP): $(LOCK) pyproject.toml | $(BIN)/python
 	touch $@
 
 # Debian packages the tests use for real: redis-server (shared cache), promtool (rules checks) and
-# docker-compose (its `config` validates deploy/compose.yaml against the Compose schema; no engine runs).
+# docker-compose (its `config` validates deploy/compose.yaml against the Compose schema; no engine runs),
+# wrk and h2load (nghttp2-client): the C load generators of `make bench-gateway`.
 $(APT_STAMP): Makefile | $(BIN)/python
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v promtool >/dev/null || missing="$$missing prometheus"; \
 	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
+	command -v wrk >/dev/null || missing="$$missing wrk"; \
+	command -v h2load >/dev/null || missing="$$missing nghttp2-client"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing Debian packages:$$missing"; \
