@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from gateway.config import ConfigError, load_gateway_config
+from gateway.grpc_plane import WorkerSlot
 from gateway.listen import ListenError
 from gateway.logs import configure_logging
 from gateway.server import run
@@ -16,6 +17,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="skewserve gateway")
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--ready-file", type=Path, help="write the bound ports here once serving")
+    # Set by the supervisor of listen.workers > 1 (gateway/supervisor.py): index:http_port:directory.
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     try:
         cfg = load_gateway_config(args.config)
@@ -23,8 +26,12 @@ def main() -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     configure_logging(cfg.log_json, cfg.log_level.upper())
+    slot = None
+    if args.worker:
+        index, port, directory = args.worker.split(":", 2)
+        slot = WorkerSlot(int(index), Path(directory), int(port))
     try:
-        run(cfg, args.ready_file, args.config)
+        run(cfg, slot.ready_file if slot else args.ready_file, args.config, slot)
     except ListenError as exc:  # a taken port: one line naming the port and its field, no traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)

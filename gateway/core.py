@@ -27,6 +27,7 @@ from gateway.metrics import OTHER_MODEL, GatewayMetrics
 from gateway.redis_link import RedisLink
 from gateway.router import Region, RegionRouter
 from gateway.upstream import UpstreamServer
+from gateway.upstream_grpc import GrpcRelay
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,16 +37,28 @@ _ADMITTED: contextvars.ContextVar[str | None] = contextvars.ContextVar("skewserv
 
 
 class Gateway:
-    def __init__(self, cfg: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        clock: Callable[[], float] = time.monotonic,
+        grpc_relay: GrpcRelay | None = None,
+    ) -> None:
         self.cfg = cfg
         self.clock = clock
+        # Upstream gRPC through the HAProxy data plane when it runs (gateway/haproxy.py).
+        self.grpc_relay = grpc_relay
         self.metrics = GatewayMetrics()
         regions = [
             Region(
                 r.name,
                 [
                     UpstreamServer(
-                        s, r.name, cfg.balancing.ewma_decay_s, cfg.retries.connect_timeout_s, clock
+                        s,
+                        r.name,
+                        cfg.balancing.ewma_decay_s,
+                        cfg.retries.connect_timeout_s,
+                        clock,
+                        grpc_relay,
                     )
                     for s in r.servers
                 ],
@@ -116,6 +129,8 @@ class Gateway:
         await asyncio.gather(*self._leaving, return_exceptions=True)
         for s in self.servers:
             await s.close()
+        if self.grpc_relay is not None:
+            await self.grpc_relay.close()
         if self.cache is not None:
             await self.cache.close()  # a RedisCache closes its link (writer and probe tasks)
         elif self.redis is not None:
@@ -145,7 +160,12 @@ class Gateway:
     # -- fleet changes (discovery, config reload) ---------------------------------------------------
     def new_server(self, cfg: ServerConfig, region: str) -> UpstreamServer:
         return UpstreamServer(
-            cfg, region, self.cfg.balancing.ewma_decay_s, self.cfg.retries.connect_timeout_s, self.clock
+            cfg,
+            region,
+            self.cfg.balancing.ewma_decay_s,
+            self.cfg.retries.connect_timeout_s,
+            self.clock,
+            self.grpc_relay,
         )
 
     async def add_server(self, server: UpstreamServer) -> bool:

@@ -201,6 +201,10 @@ class Dispatcher:
                 self.metrics.retry(model)
                 logger.info("retrying %s on another server after: %s", model, exc.message)
         assert last is not None
+        if self.clock() >= deadline and not isinstance(last, UpstreamTimeout):
+            # The request's deadline ended the retries: that is its outcome (the client's own deadline
+            # fires as well), whatever the last server said as it ran out.
+            raise UpstreamTimeout(f"deadline exceeded after {n} attempt(s): {last.message}") from last
         raise last
 
     async def _hedged(

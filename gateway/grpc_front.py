@@ -1,4 +1,5 @@
-"""`inference.GRPCInferenceService` front, served by grpc.aio in the gateway's event loop.
+"""`inference.GRPCInferenceService` front: the gateway's gRPC methods, carried either by the HAProxy
+data plane (gateway/grpc_bridge.py, the default) or by grpc.aio in the gateway's event loop.
 
 Generic handlers take and return raw bytes: ModelInfer requests are parsed only for the model name
 and version (upb does this without touching tensor bytes) and forwarded as the client sent them.
@@ -127,6 +128,19 @@ class GrpcFront:
         self.max_holding = cfg.limits.max_buffered_body_bytes
         self.server: grpc.aio.Server | None = None
 
+    def methods(self) -> dict[str, Any]:
+        """The served methods by name: everything else is UNIMPLEMENTED, as on a server without it."""
+        return {
+            "ServerLive": self.server_live,
+            "ServerReady": self.server_ready,
+            "ModelReady": self.model_ready,
+            "ServerMetadata": self.server_metadata,
+            "ModelMetadata": self.model_metadata,
+            "ModelConfig": self.model_config,
+            "ModelStatistics": self.model_statistics,
+            "ModelInfer": self.model_infer,
+        }
+
     def handlers(self) -> grpc.GenericRpcHandler:
         def raw(fn: Any) -> grpc.RpcMethodHandler:
             return grpc.unary_unary_rpc_method_handler(
@@ -134,17 +148,7 @@ class GrpcFront:
             )
 
         return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "ServerLive": raw(self.server_live),
-                "ServerReady": raw(self.server_ready),
-                "ModelReady": raw(self.model_ready),
-                "ServerMetadata": raw(self.server_metadata),
-                "ModelMetadata": raw(self.model_metadata),
-                "ModelConfig": raw(self.model_config),
-                "ModelStatistics": raw(self.model_statistics),
-                "ModelInfer": raw(self.model_infer),
-            },
+            SERVICE, {name: raw(fn) for name, fn in self.methods().items()}
         )
 
     async def start(self, host: str, port: int) -> int:

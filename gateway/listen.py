@@ -56,3 +56,34 @@ def check_free(host: str, port: int, field: str) -> None:
 def refused(field: str, host: str, port: int) -> ListenError:
     """The error for a bind that failed where the cause is not known (grpc returns only 0)."""
     return _refusal(field, host, port, OSError(errno.EADDRINUSE, "in use"))
+
+
+def bind_shared(host: str, port: int, field: str, listen: bool = True) -> socket.socket:
+    """A TCP socket with SO_REUSEPORT: several worker processes bind the same port and the kernel
+    spreads new connections over them. With listen=False it only holds the port (the supervisor's
+    reservation, so that port 0 resolves once); only listening sockets receive connections."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        if listen:
+            sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise _refusal(field, host, port, exc) from None
+    sock.setblocking(False)
+    return sock
+
+
+def bind_unix(path: str) -> socket.socket:
+    """A listening unix socket (a worker's private ops listener), replacing a stale file."""
+    import os
+
+    if os.path.exists(path):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    sock.listen(256)
+    sock.setblocking(False)
+    return sock

@@ -1,5 +1,5 @@
-"""Run the gateway: uvicorn (HTTP, and the ops listener) and grpc.aio (gRPC) in one event loop,
-with a graceful drain. Listeners are bound first: a taken port is a ListenError naming its field.
+"""Run the gateway: uvicorn (HTTP, and the ops listener) and the gRPC front (behind HAProxy, or
+grpc.aio: gateway/grpc_plane.py) in one event loop, with a graceful drain. Listeners are bound first: a taken port is a ListenError naming its field.
 
 SIGTERM: report not-ready at once, keep serving for `drain.grace_s` (so load balancers notice),
 then refuse new requests with 503, wait for in-flight ones (bounded), stop both servers and exit.
@@ -22,9 +22,10 @@ import uvicorn
 from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.grpc_front import GrpcFront
+from gateway.grpc_plane import GrpcioPlane, GrpcPlane, HaproxyGrpcPlane, WorkerGrpcPlane, WorkerSlot
 from gateway.http_front import HttpFront
 from gateway.http_protocol import with_header_timeout
-from gateway.listen import ListenError, bind_listener
+from gateway.listen import ListenError, bind_listener, bind_shared, bind_unix
 from gateway.ops import build_ops_app
 from gateway.reload import ConfigReloader
 
@@ -55,26 +56,45 @@ def _uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
     )
 
 
-async def serve(cfg: GatewayConfig, ready_file: Path | None = None, config_path: Path | None = None) -> None:
+async def serve(
+    cfg: GatewayConfig,
+    ready_file: Path | None = None,
+    config_path: Path | None = None,
+    slot: WorkerSlot | None = None,
+) -> None:
     """Serve until stopped; ListenError (naming the listen.* field) when a port cannot be bound.
 
     `config_path`: the file SIGHUP (and `reload.watch_interval_s`) re-reads."""
     loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
     listen = cfg.listen
     # Bind every listener before starting anything, so a taken port fails fast and in one line.
-    http_sock = bind_listener(listen.host, listen.http_port, "http_port")
+    grpc_plane: GrpcPlane
+    if slot is not None:  # one of several workers (gateway/supervisor.py)
+        http_sock = bind_shared(listen.host, slot.http_port, "http_port")
+        ops_sock = bind_unix(str(slot.ops_socket))
+        grpc_plane = WorkerGrpcPlane(cfg, slot.directory, slot.index)
+    else:
+        http_sock = bind_listener(listen.host, listen.http_port, "http_port")
+        try:
+            ops_sock = bind_listener(listen.ops_host, listen.ops_port, "ops_port")
+        except ListenError:
+            http_sock.close()
+            raise
+        grpc_plane = HaproxyGrpcPlane(cfg) if listen.grpc_data_plane == "haproxy" else GrpcioPlane(cfg)
     try:
-        ops_sock = bind_listener(listen.ops_host, listen.ops_port, "ops_port")
+        grpc_plane.bind()
     except ListenError:
         http_sock.close()
+        ops_sock.close()
         raise
-    gateway = Gateway(cfg)
+    gateway = Gateway(cfg, grpc_relay=grpc_plane.relay)
     grpc_front = GrpcFront(gateway)
     try:
-        grpc_port = await grpc_front.start(listen.host, listen.grpc_port)
+        grpc_port = await grpc_plane.start(grpc_front)
     except BaseException:
         http_sock.close()
         ops_sock.close()
+        await grpc_plane.stop()
         await gateway.stop()
         raise
     await gateway.start()
@@ -114,7 +134,7 @@ async def serve(cfg: GatewayConfig, ready_file: Path | None = None, config_path:
     await server.startup(sockets=[http_sock])
     await ops_server.startup(sockets=[ops_sock])
     http_port = http_sock.getsockname()[1]
-    ops_port = ops_sock.getsockname()[1]
+    ops_port = 0 if slot is not None else ops_sock.getsockname()[1]
     logger.info(
         "gateway ready: http %s:%d grpc %s:%d ops %s:%d (%s), home region %s",
         listen.host,
@@ -144,7 +164,7 @@ async def serve(cfg: GatewayConfig, ready_file: Path | None = None, config_path:
         await server.shutdown()
         ops_server.should_exit = True
         await ops_server.shutdown()
-        await grpc_front.stop(1.0)
+        await grpc_plane.stop()
         if drain_task is not None and not drain_task.done():
             drain_task.cancel()
         if reloader is not None:
@@ -153,8 +173,19 @@ async def serve(cfg: GatewayConfig, ready_file: Path | None = None, config_path:
         logger.info("gateway stopped")
 
 
-def run(cfg: GatewayConfig, ready_file: Path | None = None, config_path: Path | None = None) -> None:
+def run(
+    cfg: GatewayConfig,
+    ready_file: Path | None = None,
+    config_path: Path | None = None,
+    slot: WorkerSlot | None = None,
+) -> None:
+    """Serve in this process, or (listen.workers > 1) supervise that many worker processes."""
     # uvloop: measured ~15% less CPU per HTTP request than asyncio's loop here; grpc.aio is equal on both.
     import uvloop
 
-    uvloop.run(serve(cfg, ready_file, config_path))
+    if slot is None and cfg.listen.workers > 1:
+        from gateway.supervisor import supervise
+
+        uvloop.run(supervise(cfg, ready_file, config_path))
+    else:
+        uvloop.run(serve(cfg, ready_file, config_path, slot))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import ServerConfig
-from gateway.upstream_grpc import GrpcChannel
+from gateway.upstream_grpc import GrpcChannel, GrpcRelay, RelayChannel
 from gateway.upstream_http import HttpPool, HttpResponse
 
 Clock = Callable[[], float]
@@ -70,13 +70,16 @@ class UpstreamServer:
         decay_s: float,
         connect_timeout_s: float,
         clock: Clock = time.monotonic,
+        grpc_relay: GrpcRelay | None = None,
     ) -> None:
         self.name = cfg.name
         self.region = region
         self.http_address = cfg.http
         self.grpc_address = cfg.grpc
         self.http = HttpPool(cfg.http, connect_timeout_s=connect_timeout_s)
-        self.grpc = GrpcChannel(cfg.grpc)
+        self.grpc: GrpcChannel | RelayChannel = (
+            grpc_relay.channel(cfg.grpc) if grpc_relay is not None else GrpcChannel(cfg.grpc)
+        )
         self.clock = clock
         self.latency = LatencyStats(decay_s)
         self.probe_rtt = LatencyStats(decay_s * 5)

@@ -88,10 +88,13 @@ class _Connection(asyncio.Protocol):
 class HttpPool:
     """Connections to one Triton HTTP endpoint."""
 
-    def __init__(self, address: str, connect_timeout_s: float = 1.0, max_idle: int = 64) -> None:
+    def __init__(
+        self, address: str, connect_timeout_s: float = 1.0, max_idle: int = 64, unix_path: str | None = None
+    ) -> None:
         self.address = address
+        self.unix_path = unix_path  # connect here instead (a local HAProxy); `address` names it in errors
         host, _, port = address.rpartition(":")
-        self.host, self.port = host, int(port)
+        self.host, self.port = host, int(port) if port.isdigit() else 0
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
         self._idle: deque[_Connection] = deque()
@@ -100,10 +103,12 @@ class HttpPool:
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self), self.host, self.port),
-                self.connect_timeout_s,
+            connecting = (
+                loop.create_unix_connection(lambda: _Connection(self), self.unix_path)
+                if self.unix_path
+                else loop.create_connection(lambda: _Connection(self), self.host, self.port)
             )
+            _, conn = await asyncio.wait_for(connecting, self.connect_timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:
             raise UpstreamUnavailable(
                 f"{self.address}: cannot connect ({exc.__class__.__name__}: {exc})"

@@ -1,0 +1,285 @@
+"""The worker end of the HAProxy gRPC data plane: gRPC calls arriving as HTTP/1.1 on a unix socket.
+
+HAProxy (gateway/haproxy.py) turns each client HTTP/2 stream into one HTTP/1.1 request: the path
+names the method, headers carry the metadata and `grpc-timeout`, the chunked body the
+length-prefixed message. This module parses that with httptools, runs the same `GrpcFront`
+handlers grpc.aio runs (through `BridgeContext`, the part of `grpc.aio.ServicerContext` they use),
+and answers with the message and `grpc-status` trailers in a chunked response, which HAProxy turns
+back into HTTP/2 DATA and trailing HEADERS. A client that resets its stream closes this connection
+(HAProxy cannot abort an HTTP/1.1 request otherwise), which cancels the handler like grpc.aio would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import urllib.parse
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import httptools
+
+from gateway.haproxy import PEER_HEADER
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[bytes, Any], Awaitable[bytes]]
+_PREFIX = 5  # compressed flag + 4-byte big-endian length
+# Transport headers, not call metadata (grpc.aio does not show them to handlers either).
+_NOT_METADATA = frozenset(
+    {
+        "host",
+        "content-type",
+        "content-length",
+        "transfer-encoding",
+        "te",
+        "user-agent",
+        "grpc-timeout",
+        "grpc-encoding",
+        "grpc-accept-encoding",
+        "connection",
+        PEER_HEADER,
+    }
+)
+_TIMEOUT = re.compile(r"^([0-9]{1,8})([HMSmun])$")
+_UNIT_S = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+_RESPONSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+class BridgeAbort(grpc.aio.AbortError):
+    """Raised by `BridgeContext.abort`: the call ends with this status (as grpc.aio's abort does)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, details)
+        self.code = code
+        self.details = details
+
+
+class BridgeContext:
+    """What `GrpcFront` handlers read and set on a call, for a call that came through HAProxy."""
+
+    __slots__ = ("_metadata", "_peer", "_deadline", "trailing")
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...], peer: str, deadline: float | None) -> None:
+        self._metadata = metadata
+        self._peer = peer
+        self._deadline = deadline
+        self.trailing: tuple[tuple[str, str], ...] = ()
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    def time_remaining(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - asyncio.get_running_loop().time())
+
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self.trailing = tuple(metadata)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise BridgeAbort(code, details)
+
+
+def parse_grpc_timeout(value: str) -> float:
+    """Seconds from a `grpc-timeout` header ('100m', '5S'); BridgeAbort naming it when malformed."""
+    m = _TIMEOUT.match(value)
+    if m is None:
+        raise BridgeAbort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"grpc-timeout {value[:40]!r} is malformed: send 1 to 8 digits and a unit (H M S m u n)",
+        )
+    return int(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def unframe(body: bytes, max_bytes: int) -> bytes:
+    """The one message of a unary call's body; BridgeAbort naming what is wrong otherwise."""
+    if len(body) < _PREFIX:
+        raise BridgeAbort(grpc.StatusCode.INTERNAL, "the request body holds no gRPC message")
+    if body[0] != 0:
+        raise BridgeAbort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "compressed gRPC messages are not accepted by the gateway; send them uncompressed",
+        )
+    length = int.from_bytes(body[1:_PREFIX], "big")
+    if length > max_bytes:
+        raise BridgeAbort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"received message larger than max ({length} vs. {max_bytes}) (limits.max_request_bytes)",
+        )
+    if len(body) != _PREFIX + length:
+        raise BridgeAbort(
+            grpc.StatusCode.INTERNAL,
+            f"the request body holds {len(body) - _PREFIX} bytes after the message prefix, which says {length}; "
+            "send exactly one message per unary call",
+        )
+    return body[_PREFIX:]
+
+
+def _percent_encode(message: str) -> bytes:
+    # gRPC's grpc-message encoding: printable ASCII except '%' as is, everything else %XX of UTF-8.
+    return urllib.parse.quote(message, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~").encode("ascii")
+
+
+def _trailers(code: grpc.StatusCode, message: str, metadata: Sequence[tuple[str, str]]) -> bytes:
+    lines = [b"grpc-status: %d\r\n" % code.value[0]]
+    if message:
+        lines.append(b"grpc-message: " + _percent_encode(message) + b"\r\n")
+    for k, v in metadata:
+        lines.append(k.encode("ascii") + b": " + v.encode("ascii") + b"\r\n")
+    return b"".join(lines)
+
+
+def encode_response(
+    message: bytes | None, code: grpc.StatusCode, details: str, metadata: Sequence[tuple[str, str]]
+) -> bytes:
+    """A chunked HTTP/1.1 response: the framed message (if any), then the status as trailers."""
+    parts = [_RESPONSE_HEAD]
+    if message is not None:
+        framed_len = _PREFIX + len(message)
+        parts += [b"%x\r\n" % framed_len, b"\x00", len(message).to_bytes(4, "big"), message, b"\r\n"]
+    parts += [b"0\r\n", _trailers(code, details, metadata), b"\r\n"]
+    return b"".join(parts)
+
+
+class _Call:
+    __slots__ = ("path", "headers", "body", "size")
+
+    def __init__(self) -> None:
+        self.path = b""
+        self.headers: list[tuple[str, str]] = []
+        self.body: list[bytes] = []
+        self.size = 0
+
+
+class BridgeProtocol(asyncio.Protocol):
+    """One HTTP/1.1 connection from HAProxy; requests on it come one at a time."""
+
+    def __init__(self, server: BridgeServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.call = _Call()
+        self.task: asyncio.Task[None] | None = None
+        self.too_large = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # the client reset its stream or went away
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            logger.warning("gRPC bridge: malformed request from HAProxy (%s); closing", exc)
+            self._close()
+
+    # httptools callbacks
+    def on_url(self, url: bytes) -> None:
+        self.call.path += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.call.headers.append((name.decode("latin-1").lower(), value.decode("latin-1")))
+
+    def on_body(self, body: bytes) -> None:
+        call = self.call
+        call.size += len(body)
+        if call.size > self.server.max_body_bytes:
+            # Answer at once and close: HAProxy resets the client's stream instead of sending on.
+            if not self.too_large:
+                self.too_large = True
+                self.write(
+                    encode_response(
+                        None,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"received message larger than max ({self.server.max_request_bytes} bytes, "
+                        "limits.max_request_bytes)",
+                        (),
+                    )
+                )
+                self._close()
+            return
+        call.body.append(body)
+
+    def on_message_complete(self) -> None:
+        call, self.call = self.call, _Call()
+        if self.too_large:
+            return  # already answered
+        self.task = asyncio.get_running_loop().create_task(self.server.handle(self, call))
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def _close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class BridgeServer:
+    """Serves `GrpcFront` methods to HAProxy on a unix socket."""
+
+    def __init__(self, handlers: dict[str, Handler], service: str, max_request_bytes: int) -> None:
+        self.handlers = {f"/{service}/{name}".encode(): fn for name, fn in handlers.items()}
+        self.max_request_bytes = max_request_bytes
+        self.max_body_bytes = max_request_bytes + _PREFIX
+        self.connections: set[BridgeProtocol] = set()
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self, path: Path) -> None:
+        loop = asyncio.get_running_loop()
+        path.unlink(missing_ok=True)
+        self.server = await loop.create_unix_server(lambda: BridgeProtocol(self), str(path), backlog=2048)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for conn in list(self.connections):
+            conn._close()
+
+    async def handle(self, conn: BridgeProtocol, call: _Call) -> None:
+        context: BridgeContext | None = None
+        try:
+            handler = self.handlers.get(call.path)
+            if handler is None:
+                raise BridgeAbort(
+                    grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {call.path.decode('latin-1')[:200]}"
+                )
+            context = self._context(call)
+            request = unframe(b"".join(call.body), self.max_request_bytes)
+            response = await handler(request, context)
+            conn.write(encode_response(response, grpc.StatusCode.OK, "", context.trailing))
+        except BridgeAbort as exc:
+            trailing = context.trailing if context is not None else ()
+            conn.write(encode_response(None, exc.code, exc.details, trailing))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("unhandled error in the gRPC bridge")
+            conn.write(encode_response(None, grpc.StatusCode.UNKNOWN, "Unexpected error in the gateway", ()))
+
+    @staticmethod
+    def _context(call: _Call) -> BridgeContext:
+        metadata: list[tuple[str, str]] = []
+        peer = ""
+        deadline: float | None = None
+        for name, value in call.headers:
+            if name == PEER_HEADER:
+                peer = f"ipv6:[{value}]:0" if ":" in value else f"ipv4:{value}:0"
+            elif name == "grpc-timeout":
+                deadline = asyncio.get_running_loop().time() + parse_grpc_timeout(value)
+            elif name not in _NOT_METADATA and not name.endswith("-bin"):
+                metadata.append((name, value))
+        return BridgeContext(tuple(metadata), peer, deadline)

@@ -1,0 +1,157 @@
+"""What carries the gateway's gRPC: HAProxy in front of the worker (default) or grpc.aio in it.
+
+Both serve the same `GrpcFront` methods; the HAProxy plane also carries upstream gRPC calls
+(`relay`), so that neither end of a proxied call pays grpc.aio's per-call cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.config import GatewayConfig
+from gateway.grpc_bridge import BridgeServer
+from gateway.grpc_front import SERVICE, GrpcFront
+from gateway.haproxy import DataPlaneSpec, HaproxyProcess, bridge_socket, inheritable, runtime_dir
+from gateway.listen import bind_listener
+from gateway.upstream_grpc import GrpcRelay
+
+logger = logging.getLogger(__name__)
+
+
+def data_plane_spec(
+    cfg: GatewayConfig, grpc_sock: socket.socket, directory: Path, workers: int
+) -> DataPlaneSpec:
+    limits = cfg.limits
+    return DataPlaneSpec(
+        grpc_fd=inheritable(grpc_sock),
+        worker_sockets=[bridge_socket(directory, i) for i in range(workers)],
+        relay_socket=directory / "relay.sock",
+        admin_socket=directory / "admin.sock",
+        header_read_timeout_s=limits.header_read_timeout_s,
+        max_connections=limits.max_connections,
+    )
+
+
+async def keep_running(haproxy: HaproxyProcess) -> None:
+    """Start HAProxy again whenever it exits (the listening socket stays open meanwhile)."""
+    while True:
+        await asyncio.sleep(0.5)
+        code = haproxy.exited()
+        if code is not None:
+            logger.error("gRPC data plane: HAProxy exited with code %s; starting it again", code)
+            try:
+                await haproxy.start()
+            except Exception:
+                logger.exception("gRPC data plane: HAProxy did not start again; retrying")
+
+
+class GrpcPlane:
+    relay: GrpcRelay | None = None
+
+    def bind(self) -> None:
+        """Bind the public gRPC port (ListenError naming listen.grpc_port when taken)."""
+
+    async def start(self, front: GrpcFront) -> int:
+        """Serve `front`; returns the bound public port."""
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """Where one of several worker processes serves (gateway/supervisor.py owns the directory)."""
+
+    index: int
+    directory: Path
+    http_port: int
+
+    @property
+    def ops_socket(self) -> Path:
+        return self.directory / f"ops{self.index}.sock"
+
+    @property
+    def ready_file(self) -> Path:
+        return self.directory / f"w{self.index}.ready"
+
+
+class WorkerGrpcPlane(GrpcPlane):
+    """A worker's part of the HAProxy plane: its bridge socket; HAProxy is the supervisor's."""
+
+    def __init__(self, cfg: GatewayConfig, directory: Path, index: int) -> None:
+        self.cfg = cfg
+        self.path = bridge_socket(directory, index)
+        self.relay = GrpcRelay(str(directory / "relay.sock"), cfg.retries.connect_timeout_s)
+        self.bridge: BridgeServer | None = None
+
+    async def start(self, front: GrpcFront) -> int:
+        self.bridge = BridgeServer(front.methods(), SERVICE, self.cfg.limits.max_request_bytes)
+        await self.bridge.start(self.path)
+        return 0
+
+    async def stop(self) -> None:
+        if self.bridge is not None:
+            await self.bridge.stop()
+
+
+class GrpcioPlane(GrpcPlane):
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.front: GrpcFront | None = None
+
+    async def start(self, front: GrpcFront) -> int:
+        self.front = front
+        return await front.start(self.cfg.listen.host, self.cfg.listen.grpc_port)
+
+    async def stop(self) -> None:
+        if self.front is not None:
+            await self.front.stop(1.0)
+
+
+class HaproxyGrpcPlane(GrpcPlane):
+    """HAProxy on the public gRPC port and toward Triton; this process serves its bridge socket.
+
+    A HAProxy that dies is started again on the same listening socket (clients see their in-flight
+    calls fail with UNAVAILABLE, the next ones succeed)."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.directory = runtime_dir()
+        self.relay = GrpcRelay(str(self.directory / "relay.sock"), cfg.retries.connect_timeout_s)
+        self.sock: socket.socket | None = None
+        self.bridge: BridgeServer | None = None
+        self.haproxy: HaproxyProcess | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    def bind(self) -> None:
+        listen = self.cfg.listen
+        self.sock = bind_listener(listen.host, listen.grpc_port, "grpc_port")
+
+    async def start(self, front: GrpcFront) -> int:
+        assert self.sock is not None, "bind() first"
+        self.bridge = BridgeServer(front.methods(), SERVICE, self.cfg.limits.max_request_bytes)
+        await self.bridge.start(bridge_socket(self.directory, 0))
+        self.haproxy = HaproxyProcess(data_plane_spec(self.cfg, self.sock, self.directory, 1), self.directory)
+        await self.haproxy.start()
+        self._watch = asyncio.get_running_loop().create_task(keep_running(self.haproxy))
+        return int(self.sock.getsockname()[1])
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        if self.haproxy is not None:
+            await self.haproxy.stop()
+        if self.bridge is not None:
+            await self.bridge.stop()
+        if self.sock is not None:
+            self.sock.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
