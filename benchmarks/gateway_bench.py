@@ -468,6 +468,13 @@ def prepare_repository(work: Path) -> Path:
     return repo
 
 
+def print_log_tails(work: Path, lines: int = 20) -> None:
+    """On failure: the end of each gateway / haproxy log, since the temporary directory goes away."""
+    for log in sorted(work.glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        print(f"\n--- {log.name} (last {len(tail)} lines) ---", *tail, sep="\n", file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -495,6 +502,9 @@ def main() -> None:
         bench = Bench(a, b or a, work, args.seconds, [])
         try:
             run_sections(bench, args.only)
+        except BaseException:
+            print_log_tails(work)
+            raise
         finally:
             for p in bench.procs:
                 p.kill()
