@@ -243,55 +243,49 @@ class Bench:
 # --- sections -----------------------------------------------------------------------------------
 
 
+def hop_row(bench: Bench, label: str, protocol: str, address: str, pid: int) -> None:
+    """One proxy path against direct Triton measured right before it (so drift hits both alike)."""
+    direct_address = bench.a.http_address if protocol == "http" else bench.a.grpc_address
+    direct = load(protocol, direct_address, "bench", 8, bench.secs)
+    via, cpu_us = measured_load(protocol, address, "bench", 8, bench.secs, pid)
+    d50 = median_c1_ms(protocol, direct_address, "bench", bench.secs)
+    v50 = median_c1_ms(protocol, address, "bench", bench.secs)
+    print(
+        f"| {label} | {protocol} | {direct.rps:.0f} | {via.rps:.0f} | {via.rps / direct.rps:.2f}x | {cpu_us:.0f} "
+        f"| {d50:.3f} | {v50:.3f} | {v50 - d50:+.3f} |",
+        flush=True,
+    )
+
+
 def section_hop(bench: Bench, gw: Gateway) -> None:
-    a, secs = bench.a, bench.secs
     print("\n## 1. Data plane under wrk / h2load (model `bench`, one row of 16 features)\n")
     print(
-        f"wrk: HTTP/1.1 JSON infer, h2load: gRPC ModelInfer over h2c (one stream per connection); "
-        f"{os.cpu_count()} cores shared by Triton, the proxy and the load generator. CPU per request: "
-        "the proxy's whole process tree (workers, haproxy) over the requests served.\n"
+        "wrk: HTTP/1.1 JSON infer; h2load: gRPC ModelInfer over h2c, one stream per connection. "
+        "Throughput at concurrency 8, median latency at concurrency 1 (wrk for HTTP, our grpc.aio client "
+        "for gRPC), each path right after direct Triton. CPU per request: the proxy's whole process tree "
+        f"(workers, haproxy) over the requests served. {os.cpu_count()} cores, shared by Triton, the proxy "
+        "and the load generator.\n"
     )
     print(
-        "| path | protocol | rps, concurrency 8 | via / direct | proxy CPU µs/req | p50 ms, concurrency 1 | added p50 ms |"
+        "| path | protocol | direct rps | via rps | via / direct | proxy CPU µs/req | direct p50 ms | via p50 ms | added p50 ms |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
-    direct = {
-        p: load(p, addr, "bench", 8, secs) for p, addr in (("http", a.http_address), ("grpc", a.grpc_address))
-    }
-    direct_p50 = {
-        p: median_c1_ms(p, addr, "bench", secs)
-        for p, addr in (("http", a.http_address), ("grpc", a.grpc_address))
-    }
-    for p in ("http", "grpc"):
-        print(
-            f"| Triton direct | {p} | {direct[p].rps:.0f} | 1.00x | - | {direct_p50[p]:.3f} | - |", flush=True
-        )
-
-    def row(label: str, protocol: str, address: str, pid: int) -> None:
-        res, cpu_us = measured_load(protocol, address, "bench", 8, secs, pid)
-        p50 = median_c1_ms(protocol, address, "bench", secs)
-        ratio = res.rps / direct[protocol].rps
-        print(
-            f"| {label} | {protocol} | {res.rps:.0f} | {ratio:.2f}x | {cpu_us:.0f} | {p50:.3f} | {p50 - direct_p50[protocol]:+.3f} |",
-            flush=True,
-        )
-
-    fields = listen_fields()
-    plane = "grpc_data_plane" in fields
-    row("skewserve gateway", "http", gw.http, gw.proc.pid)
-    row(f"skewserve gateway{', data plane haproxy' if plane else ''}", "grpc", gw.grpc, gw.proc.pid)
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    plane = "grpc_data_plane" in listen_fields()
+    hop_row(bench, "skewserve gateway", "http", gw.http, gw.proc.pid)
+    hop_row(
+        bench, f"skewserve gateway{', data plane haproxy' if plane else ''}", "grpc", gw.grpc, gw.proc.pid
+    )
     if plane:
         old = Gateway(bench.local(), bench.work, "hop-grpcio", listen={"grpc_data_plane": "grpcio"})
         try:
-            row("skewserve gateway, data plane grpcio", "grpc", old.grpc, old.proc.pid)
+            hop_row(bench, "skewserve gateway, data plane grpcio", "grpc", old.grpc, old.proc.pid)
         finally:
             old.stop()
-    haproxy = haproxy_binary()
-    with haproxy_reference(
-        haproxy, a.http_address, a.grpc_address, bench.work, (free_port(), free_port())
-    ) as ref:
-        row("HAProxy 2.8 pass-through", "http", ref.http, ref.pid)
-        row("HAProxy 2.8 pass-through (h2)", "grpc", ref.grpc, ref.pid)
+    a = bench.a
+    ports = (free_port(), free_port())
+    with haproxy_reference(haproxy_binary(), a.http_address, a.grpc_address, bench.work, ports) as ref:
+        hop_row(bench, "HAProxy 2.8 pass-through", "http", ref.http, ref.pid)
+        hop_row(bench, "HAProxy 2.8 pass-through (h2)", "grpc", ref.grpc, ref.pid)
     if not plane:
         print("\n(this gateway build has no `listen.grpc_data_plane`: its gRPC row is its only data plane)")
 
