@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import statistics
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,7 +203,8 @@ class Gateway:
             "listen": {"http_port": self.http_port, "grpc_port": self.grpc_port, "ops_port": 0},
             "log_json": True,
             "cache": {"backend": "memory", "models": ["bench_gwcache"]},
-            "health": {"interval_s": 0.5},
+            # A probe slowed by a saturating direct run must not take the only server out of rotation.
+            "health": {"interval_s": 0.5, "timeout_s": 5.0},
             "regions": [
                 {
                     "name": r,
@@ -214,7 +217,23 @@ class Gateway:
         path.write_text(yaml.safe_dump(_merge(cfg, overrides)))
         self.process = start_gateway_process(path, workdir / f"{name}.log")
         self.proc = self.process.proc
-        time.sleep(1.0)  # a couple of health rounds
+        self.wait_available()
+
+    def wait_available(self, timeout_s: float = 20.0) -> None:
+        """Until the gateway's own view (ops `/admin/upstreams`) has every server available.
+
+        Called before each measurement through the gateway: a direct run just before it may have
+        saturated the machine, and a request the gateway cannot route is a failed run, not a figure.
+        """
+        deadline = time.monotonic() + timeout_s
+        view: dict = {}
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"http://{self.process.ops}/admin/upstreams", timeout=5) as r:
+                view = json.loads(r.read())
+            if view["servers"] and all(s["available"] and s["models"] for s in view["servers"]):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"gateway servers not all available after {timeout_s}s: {view.get('servers')}")
 
     @property
     def http(self) -> str:
@@ -243,12 +262,17 @@ class Bench:
 # --- sections -----------------------------------------------------------------------------------
 
 
-def hop_row(bench: Bench, label: str, protocol: str, address: str, pid: int) -> None:
+def hop_row(
+    bench: Bench, label: str, protocol: str, address: str, pid: int, gateway: Gateway | None = None
+) -> None:
     """One proxy path against direct Triton measured right before it (so drift hits both alike)."""
     direct_address = bench.a.http_address if protocol == "http" else bench.a.grpc_address
+    ready = gateway.wait_available if gateway is not None else (lambda: None)
     direct = load(protocol, direct_address, "bench", 8, bench.secs)
+    ready()
     via, cpu_us = measured_load(protocol, address, "bench", 8, bench.secs, pid)
     d50 = median_c1_ms(protocol, direct_address, "bench", bench.secs)
+    ready()
     v50 = median_c1_ms(protocol, address, "bench", bench.secs)
     print(
         f"| {label} | {protocol} | {direct.rps:.0f} | {via.rps:.0f} | {via.rps / direct.rps:.2f}x | {cpu_us:.0f} "
@@ -271,14 +295,14 @@ def section_hop(bench: Bench, gw: Gateway) -> None:
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     plane = "grpc_data_plane" in listen_fields()
-    hop_row(bench, "skewserve gateway", "http", gw.http, gw.proc.pid)
+    hop_row(bench, "skewserve gateway", "http", gw.http, gw.proc.pid, gw)
     hop_row(
-        bench, f"skewserve gateway{', data plane haproxy' if plane else ''}", "grpc", gw.grpc, gw.proc.pid
+        bench, f"skewserve gateway{', data plane haproxy' if plane else ''}", "grpc", gw.grpc, gw.proc.pid, gw
     )
     if plane:
         old = Gateway(bench.local(), bench.work, "hop-grpcio", listen={"grpc_data_plane": "grpcio"})
         try:
-            hop_row(bench, "skewserve gateway, data plane grpcio", "grpc", old.grpc, old.proc.pid)
+            hop_row(bench, "skewserve gateway, data plane grpcio", "grpc", old.grpc, old.proc.pid, old)
         finally:
             old.stop()
     a = bench.a
@@ -310,6 +334,7 @@ def section_hop_py(bench: Bench, gw: Gateway) -> None:
             d_addr = a.http_address if protocol == "http" else a.grpc_address
             g_addr = gw.http if protocol == "http" else gw.grpc
             direct = asyncio.run(drive(protocol, d_addr, "bench", conc, secs))
+            gw.wait_available()
             cpu = TreeCpu(gw.proc.pid)
             via = asyncio.run(drive(protocol, g_addr, "bench", conc, secs))
             cpu_us = cpu.seconds() / len(via) * 1e6
@@ -339,9 +364,11 @@ def section_cache(bench: Bench, gw: Gateway) -> None:
         ("direct, Triton response cache (gRPC)", "grpc", a.grpc_address, "bench_tcache", False),
         ("gateway cache hit (gRPC)", "grpc", gw.grpc, "bench_gwcache", True),
     ):
+        gw.wait_available()
         cpu = TreeCpu(gw.proc.pid)
         lat = asyncio.run(drive(protocol, addr, model, 1, secs))
         cpu1 = f"{cpu.seconds() / len(lat) * 1e6:.0f}" if on_gw else "-"
+        gw.wait_available()
         res, cpu8 = measured_load(protocol, addr, model, 8, secs, gw.proc.pid if on_gw else None)
         cpu8_text = f"{cpu8:.0f}" if cpu8 is not None else "-"
         print(
