@@ -224,16 +224,21 @@ class Gateway:
 
         Called before each measurement through the gateway: a direct run just before it may have
         saturated the machine, and a request the gateway cannot route is a failed run, not a figure.
+        With several workers the ops listener answers `{"workers": [view, ...]}`: all must agree.
         """
         deadline = time.monotonic() + timeout_s
-        view: dict = {}
+        views: list = []
         while time.monotonic() < deadline:
             with urllib.request.urlopen(f"http://{self.process.ops}/admin/upstreams", timeout=5) as r:
-                view = json.loads(r.read())
-            if view["servers"] and all(s["available"] and s["models"] for s in view["servers"]):
+                body = json.loads(r.read())
+            views = body["workers"] if "workers" in body else [body]
+            if all(
+                v and v["servers"] and all(s["available"] and s["models"] for s in v["servers"])
+                for v in views
+            ):
                 return
             time.sleep(0.1)
-        raise RuntimeError(f"gateway servers not all available after {timeout_s}s: {view.get('servers')}")
+        raise RuntimeError(f"gateway servers not all available after {timeout_s}s: {views}")
 
     @property
     def http(self) -> str:
