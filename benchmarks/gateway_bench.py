@@ -217,7 +217,11 @@ class Gateway:
         path.write_text(yaml.safe_dump(_merge(cfg, overrides)))
         self.process = start_gateway_process(path, workdir / f"{name}.log")
         self.proc = self.process.proc
-        self.wait_available()
+        try:
+            self.wait_available()
+        except BaseException:
+            self.stop()
+            raise
 
     def wait_available(self, timeout_s: float = 20.0) -> None:
         """Until the gateway's own view (ops `/admin/upstreams`) has every server available.
