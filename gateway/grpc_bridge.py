@@ -23,12 +23,15 @@ import grpc
 import grpc.aio
 import httptools
 
+from gateway.errors import GatewayError, UnsupportedEncoding, grpc_code_for
 from gateway.haproxy import PEER_HEADER
+from gateway.infer_body import inflate
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[bytes, Any], Awaitable[bytes]]
 _PREFIX = 5  # compressed flag + 4-byte big-endian length
+_OFF_LOOP_BYTES = 64 * 1024  # larger compressed messages are inflated in a worker thread
 # Transport headers, not call metadata (grpc.aio does not show them to handlers either).
 _NOT_METADATA = frozenset(
     {
@@ -99,15 +102,12 @@ def parse_grpc_timeout(value: str) -> float:
     return int(m.group(1)) * _UNIT_S[m.group(2)]
 
 
-def unframe(body: bytes, max_bytes: int) -> bytes:
-    """The one message of a unary call's body; BridgeAbort naming what is wrong otherwise."""
+def unframe(body: bytes, max_bytes: int) -> tuple[bool, bytes]:
+    """(compressed?, the one message) of a unary call's body; BridgeAbort naming what is wrong otherwise."""
     if len(body) < _PREFIX:
         raise BridgeAbort(grpc.StatusCode.INTERNAL, "the request body holds no gRPC message")
-    if body[0] != 0:
-        raise BridgeAbort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "compressed gRPC messages are not accepted by the gateway; send them uncompressed",
-        )
+    if body[0] not in (0, 1):
+        raise BridgeAbort(grpc.StatusCode.INTERNAL, f"gRPC message flag {body[0]} is not 0 or 1")
     length = int.from_bytes(body[1:_PREFIX], "big")
     if length > max_bytes:
         raise BridgeAbort(
@@ -120,7 +120,26 @@ def unframe(body: bytes, max_bytes: int) -> bytes:
             f"the request body holds {len(body) - _PREFIX} bytes after the message prefix, which says {length}; "
             "send exactly one message per unary call",
         )
-    return body[_PREFIX:]
+    return body[0] == 1, body[_PREFIX:]
+
+
+async def decompress(message: bytes, encoding: str | None, limit: int, ratio: float) -> bytes:
+    """A compressed message inflated (gzip or deflate, as grpc-core sends), within the HTTP bounds."""
+    if not encoding or encoding == "identity":
+        raise BridgeAbort(
+            grpc.StatusCode.INTERNAL, "the message is flagged compressed but grpc-encoding names none"
+        )
+    try:
+        if len(message) > _OFF_LOOP_BYTES:
+            return await asyncio.to_thread(inflate, message, encoding, limit, ratio)
+        return inflate(message, encoding, limit, ratio)
+    except UnsupportedEncoding:
+        raise BridgeAbort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"grpc-encoding {encoding[:40]!r} is not supported; use gzip or deflate",
+        ) from None
+    except GatewayError as exc:
+        raise BridgeAbort(grpc_code_for(exc), exc.message.replace("request body", "message")) from None
 
 
 def _percent_encode(message: str) -> bytes:
@@ -231,9 +250,12 @@ class BridgeProtocol(asyncio.Protocol):
 class BridgeServer:
     """Serves `GrpcFront` methods to HAProxy on a unix socket."""
 
-    def __init__(self, handlers: dict[str, Handler], service: str, max_request_bytes: int) -> None:
+    def __init__(
+        self, handlers: dict[str, Handler], service: str, max_request_bytes: int, inflate_ratio: float
+    ) -> None:
         self.handlers = {f"/{service}/{name}".encode(): fn for name, fn in handlers.items()}
         self.max_request_bytes = max_request_bytes
+        self.inflate_ratio = inflate_ratio
         self.max_body_bytes = max_request_bytes + _PREFIX
         self.connections: set[BridgeProtocol] = set()
         self.server: asyncio.AbstractServer | None = None
@@ -251,6 +273,7 @@ class BridgeServer:
 
     async def handle(self, conn: BridgeProtocol, call: _Call) -> None:
         context: BridgeContext | None = None
+        code = grpc.StatusCode.OK
         try:
             handler = self.handlers.get(call.path)
             if handler is None:
@@ -258,17 +281,26 @@ class BridgeServer:
                     grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {call.path.decode('latin-1')[:200]}"
                 )
             context = self._context(call)
-            request = unframe(b"".join(call.body), self.max_request_bytes)
+            compressed, request = unframe(b"".join(call.body), self.max_request_bytes)
+            if compressed:
+                encoding = next((v for k, v in call.headers if k == "grpc-encoding"), None)
+                request = await decompress(request, encoding, self.max_request_bytes, self.inflate_ratio)
             response = await handler(request, context)
             conn.write(encode_response(response, grpc.StatusCode.OK, "", context.trailing))
         except BridgeAbort as exc:
+            code = exc.code
             trailing = context.trailing if context is not None else ()
             conn.write(encode_response(None, exc.code, exc.details, trailing))
         except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
             raise
         except Exception:
+            code = grpc.StatusCode.UNKNOWN
             logger.exception("unhandled error in the gRPC bridge")
             conn.write(encode_response(None, grpc.StatusCode.UNKNOWN, "Unexpected error in the gateway", ()))
+        finally:
+            # Method and status only: metadata (keys among it) never reaches the log.
+            logger.debug("gRPC %s: %s", call.path.decode("latin-1")[:120], code.name)
 
     @staticmethod
     def _context(call: _Call) -> BridgeContext:

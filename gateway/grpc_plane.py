@@ -92,7 +92,9 @@ class WorkerGrpcPlane(GrpcPlane):
         self.bridge: BridgeServer | None = None
 
     async def start(self, front: GrpcFront) -> int:
-        self.bridge = BridgeServer(front.methods(), SERVICE, self.cfg.limits.max_request_bytes)
+        self.bridge = BridgeServer(
+            front.methods(), SERVICE, self.cfg.limits.max_request_bytes, self.cfg.limits.max_inflate_ratio
+        )
         await self.bridge.start(self.path)
         return 0
 
@@ -136,7 +138,9 @@ class HaproxyGrpcPlane(GrpcPlane):
 
     async def start(self, front: GrpcFront) -> int:
         assert self.sock is not None, "bind() first"
-        self.bridge = BridgeServer(front.methods(), SERVICE, self.cfg.limits.max_request_bytes)
+        self.bridge = BridgeServer(
+            front.methods(), SERVICE, self.cfg.limits.max_request_bytes, self.cfg.limits.max_inflate_ratio
+        )
         await self.bridge.start(bridge_socket(self.directory, 0))
         self.haproxy = HaproxyProcess(data_plane_spec(self.cfg, self.sock, self.directory, 1), self.directory)
         await self.haproxy.start()

@@ -80,7 +80,7 @@ global
   nbthread {spec.threads}
   maxconn {spec.max_connections * 2 + 64}
   stats socket {spec.admin_socket} mode 600 level admin
-  log stderr format short local0 warning
+  log stderr format short local0 err
 
 defaults
   mode http
@@ -142,7 +142,9 @@ class HaproxyProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     async def start(self, timeout_s: float = 10.0) -> None:
-        self.config_path.write_text(render_config(self.spec))
+        text = render_config(self.spec)
+        self.config_path.write_text(text)
+        logger.debug("HAProxy configuration %s:\n%s", self.config_path, text)
         binary = haproxy_binary()
         check = await asyncio.to_thread(
             subprocess.run,
@@ -156,9 +158,10 @@ class HaproxyProcess:
                 f"HAProxy refused its generated configuration ({self.config_path}): "
                 f"{check.stdout.decode(errors='replace').strip()}"
             )
-        # -db: stay in the foreground as this process's child, logging to stderr (the gateway's log).
+        # -db: stay in the foreground as this process's child, logging to stderr (the gateway's log);
+        # -q: without the routine "proxy stopped" lines of every stop.
         self.proc = subprocess.Popen(
-            [binary, "-db", "-f", str(self.config_path)],
+            [binary, "-db", "-q", "-f", str(self.config_path)],
             pass_fds=(self.spec.grpc_fd,),
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # a terminal's Ctrl-C reaches the gateway, which stops HAProxy
