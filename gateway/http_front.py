@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import struct
 from collections.abc import AsyncIterator
 from typing import Any
@@ -45,7 +44,7 @@ from gateway.infer_body import (
     parse_infer_body_async,
 )
 from gateway.ops import metrics_response, require_admin, upstreams_response
-from gateway.request_id import checked_request_id, is_valid_request_id
+from gateway.request_id import checked_request_id, is_valid_request_id, new_request_id
 from gateway.statistics import (
     SERVER_HEADER,
     gather_statistics,
@@ -197,7 +196,7 @@ class HttpFront:
                 timeout_ms = v.decode("latin-1")
         sent_id = request_id
         if request_id is None or request_ids != 1 or not is_valid_request_id(request_id):
-            request_id = os.urandom(8).hex()  # never echo an id that failed the check
+            request_id = new_request_id()  # never echo an id that failed the check
         extra = [(b"x-request-id", request_id.encode())]
         status = 500
         route_region = route_server = ""

@@ -112,20 +112,23 @@ class RelayChannel:
         self.host, self.port = host.strip("[]"), port
         self._target: tuple[bytes, bytes] | None = None
         self._resolved_at = 0.0
+        try:  # an address (what discovery produces) never needs resolving
+            ipaddress.ip_address(self.host)
+            self._literal: tuple[bytes, bytes] | None = (self.host.encode(), port.encode())
+        except ValueError:
+            self._literal = None
 
     async def _resolve(self) -> tuple[bytes, bytes]:
+        if self._literal is not None:
+            return self._literal
         loop = asyncio.get_running_loop()
         if self._target is not None and loop.time() - self._resolved_at < self.RESOLVE_TTL_S:
             return self._target
         try:
-            ipaddress.ip_address(self.host)
-            ip = self.host
-        except ValueError:
-            try:
-                infos = await loop.getaddrinfo(self.host, int(self.port), type=socket.SOCK_STREAM)
-            except OSError as exc:
-                raise UpstreamUnavailable(f"{self.address}: cannot resolve {self.host!r} ({exc})") from exc
-            ip = str(infos[0][4][0])
+            infos = await loop.getaddrinfo(self.host, int(self.port), type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise UpstreamUnavailable(f"{self.address}: cannot resolve {self.host!r} ({exc})") from exc
+        ip = str(infos[0][4][0])
         self._target = (ip.encode(), self.port.encode())
         self._resolved_at = loop.time()
         return self._target

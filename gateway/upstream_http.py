@@ -15,6 +15,15 @@ import httptools
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
 
 
+class _Expired(Exception):
+    """The response did not come within the request's bound."""
+
+
+def _expire(waiter: asyncio.Future[HttpResponse]) -> None:
+    if not waiter.done():
+        waiter.set_exception(_Expired())
+
+
 class HttpResponse:
     __slots__ = ("status", "headers", "body")
 
@@ -153,9 +162,11 @@ class HttpPool:
         conn.transport.write(b"".join(head) + body if len(body) < 65536 else b"".join(head))
         if len(body) >= 65536:
             conn.transport.write(body)
+        # A timer on the future rather than asyncio.wait_for: same effect, a fraction of its cost.
+        timer = loop.call_later(timeout_s, _expire, conn.waiter)
         try:
-            resp = await asyncio.wait_for(conn.waiter, timeout_s)
-        except asyncio.TimeoutError as exc:
+            resp = await conn.waiter
+        except _Expired as exc:
             conn.close()
             raise UpstreamTimeout(f"{self.address}: no response within {timeout_s:.3f}s") from exc
         except UpstreamUnavailable:
@@ -168,6 +179,7 @@ class HttpPool:
             conn.close()
             raise
         finally:
+            timer.cancel()
             conn.waiter = None
         if conn.keep_alive and not conn.closed and len(self._idle) < self.max_idle:
             self._idle.append(conn)
