@@ -322,6 +322,15 @@ class Gateway:
     def cache_enabled(self, model: str) -> bool:
         return self.cache is not None and (self._cache_all or model in self._cache_models)
 
+    async def cache_lookup(self, key: str, model: str) -> bytes | None:
+        """The stored bytes under `key` (a hit is counted), or None (the caller counts its miss)."""
+        assert self.cache is not None
+        stored = self.cache.get_now(key) if isinstance(self.cache, MemoryCache) else await self.cache.get(key)
+        if stored is not None:
+            self.cache.stats.hits += 1
+            self.metrics.cache(model, hit=True)
+        return stored
+
     async def cached(
         self,
         key: str,
@@ -339,10 +348,8 @@ class Gateway:
         part of the coalescing key only, so a follower never shares a route it did not ask for.
         """
         assert self.cache is not None
-        stored = self.cache.get_now(key) if isinstance(self.cache, MemoryCache) else await self.cache.get(key)
+        stored = await self.cache_lookup(key, model)
         if stored is not None:
-            self.cache.stats.hits += 1
-            self.metrics.cache(model, hit=True)
             return decode(stored), "hit"
         self.cache.stats.misses += 1
         self.metrics.cache(model, hit=False)

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.auth import Principal
 from gateway.cache import cache_key_async
+from gateway.cache_alias import ExactAliases
 from gateway.core import Gateway
 from gateway.errors import (
     BadRequest,
@@ -153,6 +154,7 @@ class HttpFront:
         # Bytes of bodies still being received, bounded on their own: uploads hold no in-flight slot.
         self.receiving = 0
         self.max_receiving = cfg.limits.max_buffered_body_bytes
+        self.aliases: ExactAliases[HttpResponse] = ExactAliases()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -235,6 +237,15 @@ class HttpFront:
                         f"the gateway holds more than {self.max_receiving} bytes of request bodies at "
                         "once (limits.max_buffered_body_bytes); retry later"
                     )
+            alias = None
+            if encoding is None and len(body) < OFF_LOOP_BYTES and gw.cache_enabled(model):
+                alias = self._alias_digest(scope, model, version, hl, body)
+                hit = await self._alias_hit(model, alias)
+                if hit is not None:
+                    extra.append((b"x-skewserve-cache", b"hit"))
+                    status = hit.status
+                    await self._respond(send, hit, extra)
+                    return
             request = await self._parse(model, body, hl, encoding)
             if request is None:  # large plain JSON nobody needs read: forwarded untouched
                 timeout_us = None
@@ -265,7 +276,7 @@ class HttpFront:
                 # (HTTP lets a server ignore Accept-Encoding), so entries are never gzip bytes.
                 forward = [(k, v) for k, v in forward if k != b"accept-encoding"]
                 resp, route, cache_state = await self._cached(
-                    model, version, pinned, deadline, request, attempt
+                    model, version, pinned, deadline, request, attempt, alias
                 )
             else:
                 outcome = await gw.send(model, version, pinned, deadline, attempt, sequence_id=sequence_id)
@@ -279,10 +290,7 @@ class HttpFront:
             if cache_state is not None:
                 extra.append((b"x-skewserve-cache", b"hit" if cache_state == "hit" else b"miss"))
             status = resp.status
-            headers = [(k.lower(), v) for k, v in resp.headers if k.lower() in _RETURN]
-            headers.append((b"content-length", str(len(resp.body)).encode()))
-            await send({"type": "http.response.start", "status": status, "headers": headers + extra})
-            await send({"type": "http.response.body", "body": resp.body})
+            await self._respond(send, resp, extra)
         except GatewayError as exc:
             status = await self._error(send, exc, extra, request_id)
         except Exception as exc:  # unknown: 500 without internals, logged with the request id
@@ -293,6 +301,39 @@ class HttpFront:
             if counted:
                 gw.inflight -= 1
             gw.metrics.request(model, route_region, route_server, "http", str(status), gw.clock() - started)
+
+    @staticmethod
+    async def _respond(send: Any, resp: HttpResponse, extra: list[tuple[bytes, bytes]]) -> None:
+        headers = [(k.lower(), v) for k, v in resp.headers if k.lower() in _RETURN]
+        headers.append((b"content-length", str(len(resp.body)).encode()))
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers + extra})
+        await send({"type": "http.response.body", "body": resp.body})
+
+    def _alias_digest(
+        self, scope: dict[str, Any], model: str, version: str, hl: int | None, body: bytes
+    ) -> bytes:
+        """Names these exact bytes as accepted here: model, resolved version, path, header length and
+        the limits the request was checked against (a reload may change them) all take part."""
+        resolved = self.gw.router.latest_version(model) if not version else version
+        context = b"\0".join(
+            (
+                model.encode(),
+                resolved.encode(),
+                scope["raw_path"],
+                scope.get("query_string") or b"",
+                b"%d/%d/%d" % (-1 if hl is None else hl, self.max_batch, self.max_tensors),
+            )
+        )
+        return self.aliases.digest(context, body)
+
+    async def _alias_hit(self, model: str, alias: bytes) -> HttpResponse | None:
+        key = self.aliases.key(alias)
+        if key is None:
+            return None
+        stored = await self.gw.cache_lookup(key, model)
+        if stored is None:
+            return None  # expired or evicted: the keyed path counts the miss and fetches
+        return self.aliases.answer(alias, stored, lambda raw: restamp_id(_decode_entry(raw), ""))
 
     async def _parse(self, model: str, body: bytes, hl: int | None, encoding: str | None) -> InferBody | None:
         """Read the request as Triton will, when anything needs it; None for large plain JSON
@@ -320,6 +361,7 @@ class HttpFront:
         deadline: float,
         request: InferBody,
         attempt: Any,
+        alias: bytes | None = None,
     ) -> tuple[HttpResponse, Any, str]:
         gw = self.gw
         resolved = version or gw.router.latest_version(model)
@@ -332,6 +374,8 @@ class HttpFront:
         version_tag = "3" if request.keyed_on_text else "2"
         protocol = ("http-binary/" if request.header_length is not None else "http-json/") + version_tag
         key = await cache_key_async(protocol, model, resolved, canonical, tensors)
+        if alias is not None and not request.request_id:
+            self.aliases.remember(alias, key)
         route_box: list[Any] = []
 
         async def fetch() -> tuple[HttpResponse, bytes | None]:

@@ -1,10 +1,14 @@
-"""uvicorn's httptools protocol with a bound on receiving request headers.
+"""uvicorn's httptools protocol with a bound on receiving request headers, and one write per response.
 
 uvicorn times out idle keep-alive connections but not a request whose headers never finish: a
 client that sends half a request line and waits holds its socket (and a file descriptor) forever,
 and a few thousand such clients exhaust the gateway (slowloris). Here a timer runs while a
 connection waits for a request's headers (from connect, and from a new request's first byte) and
 closes the connection when they are not complete within `limits.header_read_timeout_s`.
+
+uvicorn writes a response's head and its body with a send() each; on loopback a send costs about
+as much as the rest of a cache hit. `_OneWrite` holds small writes made in the same event-loop
+turn and sends them together at the end of it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,45 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 logger = logging.getLogger(__name__)
+
+
+_COALESCE_BYTES = 64 * 1024  # larger writes go straight out (joining would copy them)
+
+
+class _OneWrite:
+    """The connection's transport as a request cycle sees it: small writes of one loop turn are
+    sent as one (flushed at the end of the turn, and before close)."""
+
+    __slots__ = ("transport", "loop", "pending")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self.transport = transport
+        self.loop = loop
+        self.pending: list[bytes] | None = None
+
+    def write(self, data: bytes) -> None:
+        if self.pending is None:
+            if len(data) >= _COALESCE_BYTES:
+                self.transport.write(data)
+                return
+            self.pending = [data]
+            self.loop.call_soon(self.flush)
+            return
+        self.pending.append(data)
+        if len(data) >= _COALESCE_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending and not self.transport.is_closing():
+            self.transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info, pause_reading, ...
+        return getattr(self.transport, name)
 
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):
@@ -60,6 +103,8 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
         super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.transport = _OneWrite(self.transport, self.loop)  # type: ignore[assignment]
 
 
 def with_header_timeout(timeout_s: float) -> type[HeaderTimeoutProtocol]:

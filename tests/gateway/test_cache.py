@@ -250,3 +250,33 @@ def test_new_model_version_is_never_served_a_stale_entry(
         assert state == "hit" and body["model_version"] == "2"
     finally:
         stop_fleet(fleet)
+
+
+def test_byte_identical_repeats_hit_and_near_copies_are_still_read(shared_gateway) -> None:
+    """Repeats of the exact bytes are answered without reading them again (gateway/cache_alias.py):
+    the answer is the keyed hit's, and bytes that differ (a duplicate key, an id) are read as ever."""
+    import json
+
+    x = _row(160)
+    inputs = [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": x.ravel().tolist()}]
+    body = json.dumps({"inputs": inputs}).encode()
+
+    def post(data: bytes) -> tuple[int, str | None, bytes]:
+        req = urllib.request.Request(f"http://{shared_gateway.http}/v2/models/lt/infer", data=data)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.headers.get("x-skewserve-cache"), r.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.headers.get("x-skewserve-cache"), exc.read()
+
+    first = post(body)
+    repeats = [post(body) for _ in range(3)]
+    assert first[:2] == (200, "miss")
+    assert all(r == (200, "hit", first[2]) for r in repeats)
+    spaced = post(json.dumps({"inputs": inputs}, indent=1).encode())
+    assert spaced[:2] == (200, "hit") and json.loads(spaced[2]) == json.loads(first[2])
+    with_id = post(json.dumps({"id": "mine", "inputs": inputs}).encode())
+    assert with_id[:2] == (200, "hit") and json.loads(with_id[2])["id"] == "mine"
+    doubled = body[:-1] + b', "inputs": []}'
+    status, _, text = post(doubled)
+    assert status == 400 and b"inputs" in text
