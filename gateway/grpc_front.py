@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2 as pb
 
 from gateway.cache import cache_key_async
+from gateway.cache_alias import ExactAliases
 from gateway.core import Gateway
 from gateway.errors import BadRequest, GatewayError, Overloaded, grpc_code_for
 from gateway.infer_body import MAX_UINT64, SHARED_MEMORY_PARAMETERS
@@ -126,6 +127,8 @@ class GrpcFront:
         # Bytes of ModelInfer messages being handled, bounded like HTTP bodies being received.
         self.holding = 0
         self.max_holding = cfg.limits.max_buffered_body_bytes
+        # Exact request bytes already keyed -> their key (gateway/cache_alias.py).
+        self.aliases: ExactAliases[bytes] = ExactAliases()
         self.server: grpc.aio.Server | None = None
 
     def methods(self) -> dict[str, Any]:
@@ -360,7 +363,7 @@ class GrpcFront:
             trailing = [("x-request-id", request_id)]
             if gw.cache_enabled(model) and sequence_id is None:  # a sequence's answers depend on its state
                 raw, route, state = await self._cached(
-                    req, model, version, md.get(self.region_key), deadline, attempt
+                    request, req, model, version, md.get(self.region_key), deadline, attempt
                 )
                 trailing.append(("x-skewserve-cache", "hit" if state == "hit" else "miss"))
             else:
@@ -389,6 +392,7 @@ class GrpcFront:
 
     async def _cached(
         self,
+        raw_request: bytes,
         req: pb.ModelInferRequest,
         model: str,
         version: str,
@@ -399,6 +403,14 @@ class GrpcFront:
         gw = self.gw
         request_id = req.id
         resolved = version or gw.router.latest_version(model)
+        alias = None
+        if not request_id and len(raw_request) < OFF_LOOP_BYTES:
+            context = b"%s\0%s\0%d/%d" % (model.encode(), resolved.encode(), self.max_batch, self.max_tensors)
+            alias = self.aliases.digest(context, raw_request)
+            key = self.aliases.key(alias)
+            stored = await gw.cache_lookup(key, model) if key is not None else None
+            if stored is not None:
+                return self.aliases.answer(alias, stored, lambda b: _restamp(b, "")), None, "hit"
         req.id = ""
         req.model_version = ""
         if req.ByteSize() > OFF_LOOP_BYTES:
@@ -406,6 +418,8 @@ class GrpcFront:
         else:
             material = req.SerializeToString(deterministic=True)
         key = await cache_key_async("grpc", model, resolved, material)
+        if alias is not None:
+            self.aliases.remember(alias, key)
         route_box: list[Any] = []
 
         async def fetch() -> tuple[bytes, bytes | None]:

@@ -280,3 +280,28 @@ def test_byte_identical_repeats_hit_and_near_copies_are_still_read(shared_gatewa
     doubled = body[:-1] + b', "inputs": []}'
     status, _, text = post(doubled)
     assert status == 400 and b"inputs" in text
+
+
+def test_byte_identical_grpc_repeats_hit_with_the_keyed_answer(shared_gateway) -> None:
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name="lt")
+    req.inputs.add(name="features", datatype="FP32", shape=[1, 8])
+    req.raw_input_contents.append(_row(170).tobytes())
+    with grpc.insecure_channel(shared_gateway.grpc) as ch:
+        infer = ch.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer", request_serializer=None, response_deserializer=None
+        )
+        answers = [infer.with_call(req.SerializeToString(), timeout=10) for _ in range(3)]
+        req.id = "named"
+        named, _ = infer.with_call(req.SerializeToString(), timeout=10)
+    states = [dict(call.trailing_metadata())["x-skewserve-cache"] for _, call in answers]
+    assert states == ["miss", "hit", "hit"]
+    assert answers[1][0] == answers[2][0]
+    first, repeat = (
+        pb.ModelInferResponse.FromString(answers[0][0]),
+        pb.ModelInferResponse.FromString(answers[2][0]),
+    )
+    assert repeat.raw_output_contents == first.raw_output_contents and repeat.id == ""
+    assert pb.ModelInferResponse.FromString(named).id == "named"
