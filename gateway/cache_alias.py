@@ -20,10 +20,15 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
+# Answers made from stored bytes are kept only for entries this small, so the table stays within
+# max_entries x 2 x MEMO_BYTES (16 MiB by default) however large the cached responses are.
+MEMO_BYTES = 2048
+
+
 class ExactAliases(Generic[T]):
     """digest of exact request bytes -> (cache key, the stored bytes last seen, the answer made of them)."""
 
-    def __init__(self, max_entries: int = 10_000) -> None:
+    def __init__(self, max_entries: int = 4096) -> None:
         self.max_entries = max_entries
         self._aliases: OrderedDict[bytes, tuple[str, bytes | None, T | None]] = OrderedDict()
 
@@ -41,10 +46,12 @@ class ExactAliases(Generic[T]):
     def answer(self, digest: bytes, stored: bytes, make: Callable[[bytes], T]) -> T:
         """The answer for `stored` (the cache's bytes under the alias's key), made once per stored value."""
         key, seen, answer = self._aliases[digest]
-        if answer is None or seen is not stored and seen != stored:
-            answer = make(stored)
-            self._aliases[digest] = (key, stored, answer)
         self._aliases.move_to_end(digest)
+        if answer is not None and (seen is stored or seen == stored):
+            return answer
+        answer = make(stored)
+        if len(stored) <= MEMO_BYTES:
+            self._aliases[digest] = (key, stored, answer)
         return answer
 
     def remember(self, digest: bytes, key: str) -> None:

@@ -23,6 +23,7 @@ import grpc
 import grpc.aio
 import httptools
 
+from gateway.config import LimitsConfig
 from gateway.errors import GatewayError, UnsupportedEncoding, grpc_code_for
 from gateway.haproxy import PEER_HEADER
 from gateway.infer_body import inflate
@@ -187,7 +188,10 @@ class BridgeProtocol(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.call = _Call()
         self.task: asyncio.Task[None] | None = None
-        self.too_large = False
+        self.refused = False
+        self.headers_done = False
+        self.body_timer: asyncio.TimerHandle | None = None
+        self.receiving = 0  # this request's bytes counted in server.receiving
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -195,6 +199,7 @@ class BridgeProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self._stop_receiving()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client reset its stream or went away
 
@@ -206,37 +211,75 @@ class BridgeProtocol(asyncio.Protocol):
             self._close()
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        self.headers_done = False
+        # A client that opens a stream and then sends nothing (or a trickle) holds a worker
+        # connection: bounded like an HTTP body (limits.body_read_timeout_s).
+        self.body_timer = asyncio.get_running_loop().call_later(self.server.body_timeout_s, self._too_slow)
+
     def on_url(self, url: bytes) -> None:
         self.call.path += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.call.headers.append((name.decode("latin-1").lower(), value.decode("latin-1")))
+        # httptools reports a chunked body's trailers here too; HAProxy rewrites only the headers
+        # (x-skewserve-peer among them), so whatever comes after them is the client's and ignored.
+        if not self.headers_done:
+            self.call.headers.append((name.decode("latin-1").lower(), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self.headers_done = True
 
     def on_body(self, body: bytes) -> None:
+        if self.refused:
+            return
         call = self.call
         call.size += len(body)
+        self.receiving += len(body)
+        self.server.receiving += len(body)
         if call.size > self.server.max_body_bytes:
-            # Answer at once and close: HAProxy resets the client's stream instead of sending on.
-            if not self.too_large:
-                self.too_large = True
-                self.write(
-                    encode_response(
-                        None,
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"received message larger than max ({self.server.max_request_bytes} bytes, "
-                        "limits.max_request_bytes)",
-                        (),
-                    )
-                )
-                self._close()
-            return
-        call.body.append(body)
+            self._refuse(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"received message larger than max ({self.server.max_request_bytes} bytes, "
+                "limits.max_request_bytes)",
+            )
+        elif self.server.receiving > self.server.max_receiving:
+            self._refuse(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the gateway holds more than {self.server.max_receiving} bytes of requests being "
+                "received (limits.max_buffered_body_bytes); retry later",
+            )
+        else:
+            call.body.append(body)
 
     def on_message_complete(self) -> None:
         call, self.call = self.call, _Call()
-        if self.too_large:
+        self._stop_receiving()
+        if self.refused:
             return  # already answered
         self.task = asyncio.get_running_loop().create_task(self.server.handle(self, call))
+
+    def _too_slow(self) -> None:
+        self.body_timer = None
+        self._refuse(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"the request message was not received within {self.server.body_timeout_s:g}s "
+            "(limits.body_read_timeout_s)",
+        )
+
+    def _refuse(self, code: grpc.StatusCode, message: str) -> None:
+        """Answer now and close: HAProxy resets the client's stream rather than sending more."""
+        if not self.refused:
+            self.refused = True
+            self.write(encode_response(None, code, message, ()))
+            self._close()
+        self._stop_receiving()
+
+    def _stop_receiving(self) -> None:
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+            self.body_timer = None
+        self.server.receiving -= self.receiving
+        self.receiving = 0
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -250,13 +293,15 @@ class BridgeProtocol(asyncio.Protocol):
 class BridgeServer:
     """Serves `GrpcFront` methods to HAProxy on a unix socket."""
 
-    def __init__(
-        self, handlers: dict[str, Handler], service: str, max_request_bytes: int, inflate_ratio: float
-    ) -> None:
+    def __init__(self, handlers: dict[str, Handler], service: str, limits: LimitsConfig) -> None:
         self.handlers = {f"/{service}/{name}".encode(): fn for name, fn in handlers.items()}
-        self.max_request_bytes = max_request_bytes
-        self.inflate_ratio = inflate_ratio
-        self.max_body_bytes = max_request_bytes + _PREFIX
+        self.max_request_bytes = limits.max_request_bytes
+        self.inflate_ratio = limits.max_inflate_ratio
+        self.body_timeout_s = limits.body_read_timeout_s
+        self.max_body_bytes = limits.max_request_bytes + _PREFIX
+        # Bytes of messages still arriving, bounded like HTTP bodies (handled ones count in GrpcFront).
+        self.receiving = 0
+        self.max_receiving = limits.max_buffered_body_bytes
         self.connections: set[BridgeProtocol] = set()
         self.server: asyncio.AbstractServer | None = None
 
@@ -290,7 +335,10 @@ class BridgeServer:
         except BridgeAbort as exc:
             code = exc.code
             trailing = context.trailing if context is not None else ()
-            conn.write(encode_response(None, exc.code, exc.details, trailing))
+            try:
+                conn.write(encode_response(None, exc.code, exc.details, trailing))
+            except (UnicodeEncodeError, ValueError):  # a trailer that cannot be sent: the status alone
+                conn.write(encode_response(None, exc.code, exc.details, ()))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise

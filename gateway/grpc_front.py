@@ -79,6 +79,32 @@ def _check_tensor_counts(req: pb.ModelInferRequest, limit: int) -> None:
                     )
 
 
+# Triton repeats a request's id and tensor names in its error messages, which travel back in the
+# grpc-message trailer; HAProxy refuses trailers beyond its buffer (about 15 KiB) and answers 502,
+# which would count against a healthy server. Real ids and names are far shorter.
+MAX_ID_CHARS = 1024
+MAX_NAME_CHARS = 256
+
+
+def _check_echoed_lengths(req: pb.ModelInferRequest) -> None:
+    if len(req.id) > MAX_ID_CHARS:
+        raise BadRequest(f"id has {len(req.id)} characters, more than {MAX_ID_CHARS}; send a shorter id")
+    for section, tensors in (("inputs", req.inputs), ("outputs", req.outputs)):
+        for n, tensor in enumerate(tensors):
+            if len(tensor.name) > MAX_NAME_CHARS:
+                raise BadRequest(
+                    f"{section}[{n}].name has {len(tensor.name)} characters, more than {MAX_NAME_CHARS}"
+                )
+            for key in tensor.parameters:
+                if len(key) > MAX_NAME_CHARS:
+                    raise BadRequest(
+                        f"{section}[{n}].parameters has a key of {len(key)} characters, more than {MAX_NAME_CHARS}"
+                    )
+    for key in req.parameters:
+        if len(key) > MAX_NAME_CHARS:
+            raise BadRequest(f"parameters has a key of {len(key)} characters, more than {MAX_NAME_CHARS}")
+
+
 def _restamp(raw: bytes, request_id: str) -> bytes:
     resp = pb.ModelInferResponse.FromString(raw)
     if resp.id == request_id:
@@ -346,6 +372,7 @@ class GrpcFront:
             request_id = request_id or (req.id if is_valid_request_id(req.id) else new_request_id())
             await self._admit(model, md, context)
             _check_tensor_counts(req, self.max_tensors)
+            _check_echoed_lengths(req)
             if self.max_batch:
                 for inp in req.inputs:
                     if inp.shape and inp.shape[0] > self.max_batch:

@@ -18,6 +18,7 @@ ListenError naming listen.grpc_port) and handed to HAProxy as an inherited descr
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -66,6 +67,7 @@ class DataPlaneSpec:
     admin_socket: Path
     header_read_timeout_s: float
     max_connections: int
+    connect_timeout_s: float = 1.0
     threads: int = 1
 
 
@@ -111,14 +113,19 @@ backend workers
 
 frontend grpc_out
   bind unix@{spec.relay_socket} mode 600
-  http-request set-dst req.hdr({TARGET_IP_HEADER})
-  http-request set-dst-port req.hdr({TARGET_PORT_HEADER})
+  http-request deny deny_status 400 if {{ req.hdr_cnt({TARGET_IP_HEADER}) ne 1 }} || {{ req.hdr_cnt({TARGET_PORT_HEADER}) ne 1 }}
+  http-request set-dst req.hdr({TARGET_IP_HEADER},1)
+  http-request set-dst-port req.hdr({TARGET_PORT_HEADER},1)
   http-request del-header {TARGET_IP_HEADER}
   http-request del-header {TARGET_PORT_HEADER}
   default_backend triton
 
 backend triton
   http-reuse always
+  # Retrying another server is the gateway's decision (and its budget's); a refused connect
+  # must reach it at once, bounded like its own HTTP connects (retries.connect_timeout_s).
+  retries 0
+  timeout connect {spec.connect_timeout_s:g}s
   server triton 0.0.0.0:0 proto h2
 """
 
@@ -165,6 +172,7 @@ class HaproxyProcess:
             pass_fds=(self.spec.grpc_fd,),
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # a terminal's Ctrl-C reaches the gateway, which stops HAProxy
+            preexec_fn=die_with_parent,  # a gateway killed outright must not leave it holding the port
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -196,6 +204,18 @@ class HaproxyProcess:
             await asyncio.wait_for(asyncio.to_thread(self.proc.wait), grace_s)
         except asyncio.TimeoutError:
             self.kill()
+
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGKILL it when the process that started it dies (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the gateway's own stop still reaps it
+        pass
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _accepts(path: Path) -> bool:

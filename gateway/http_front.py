@@ -237,9 +237,12 @@ class HttpFront:
                         f"the gateway holds more than {self.max_receiving} bytes of request bodies at "
                         "once (limits.max_buffered_body_bytes); retry later"
                     )
-            alias = None
-            if encoding is None and len(body) < OFF_LOOP_BYTES and gw.cache_enabled(model):
-                alias = self._alias_digest(scope, model, version, hl, body)
+            alias = resolved = None
+            if gw.cache_enabled(model):
+                # Once per request: the alias and the key must name the same version.
+                resolved = version or gw.router.latest_version(model)
+            if resolved is not None and encoding is None and len(body) < OFF_LOOP_BYTES:
+                alias = self._alias_digest(scope, model, resolved, hl, body)
                 hit = await self._alias_hit(model, alias)
                 if hit is not None:
                     extra.append((b"x-skewserve-cache", b"hit"))
@@ -276,7 +279,7 @@ class HttpFront:
                 # (HTTP lets a server ignore Accept-Encoding), so entries are never gzip bytes.
                 forward = [(k, v) for k, v in forward if k != b"accept-encoding"]
                 resp, route, cache_state = await self._cached(
-                    model, version, pinned, deadline, request, attempt, alias
+                    model, version, resolved or "", pinned, deadline, request, attempt, alias
                 )
             else:
                 outcome = await gw.send(model, version, pinned, deadline, attempt, sequence_id=sequence_id)
@@ -310,11 +313,10 @@ class HttpFront:
         await send({"type": "http.response.body", "body": resp.body})
 
     def _alias_digest(
-        self, scope: dict[str, Any], model: str, version: str, hl: int | None, body: bytes
+        self, scope: dict[str, Any], model: str, resolved: str, hl: int | None, body: bytes
     ) -> bytes:
         """Names these exact bytes as accepted here: model, resolved version, path, header length and
         the limits the request was checked against (a reload may change them) all take part."""
-        resolved = self.gw.router.latest_version(model) if not version else version
         context = b"\0".join(
             (
                 model.encode(),
@@ -357,6 +359,7 @@ class HttpFront:
         self,
         model: str,
         version: str,
+        resolved: str,
         pinned: str | None,
         deadline: float,
         request: InferBody,
@@ -364,7 +367,6 @@ class HttpFront:
         alias: bytes | None = None,
     ) -> tuple[HttpResponse, Any, str]:
         gw = self.gw
-        resolved = version or gw.router.latest_version(model)
         if len(request.body) < OFF_LOOP_BYTES:
             canonical, tensors = request.key_material()
         else:

@@ -44,9 +44,11 @@ class _OneWrite:
             self.pending = [data]
             self.loop.call_soon(self.flush)
             return
-        self.pending.append(data)
         if len(data) >= _COALESCE_BYTES:
             self.flush()
+            self.transport.write(data)
+            return
+        self.pending.append(data)
 
     def flush(self) -> None:
         pending, self.pending = self.pending, None
@@ -99,6 +101,13 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._arm_header_timer()  # a keep-alive connection's next request (already armed on connect)
+
+    def shutdown(self) -> None:
+        # uvicorn closes the socket of a finished response at once: send what this turn wrote first.
+        writer = self.cycle.transport if self.cycle is not None else None
+        if isinstance(writer, _OneWrite):
+            writer.flush()
+        super().shutdown()
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()

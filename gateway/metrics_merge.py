@@ -1,25 +1,33 @@
 """One Prometheus exposition from several worker processes' expositions.
 
-Every gateway series is a counter, histogram or gauge of in-flight work, so the fleet value is the
-sum over workers; `*_created` timestamps keep the earliest. Families keep their first HELP/TYPE
-and the order they first appear in.
+Counters and histograms (and summaries) are sums over workers: every request is counted once,
+by the worker that served it; `*_created` keeps the earliest. A gauge is a worker's own view
+(a server's availability, its EWMA latency, a region's skew index): summing would invent values,
+so each worker's series is kept with a `worker` label. Families keep their first HELP/TYPE and
+the order they first appear in.
 """
 
 from __future__ import annotations
 
+import math
 
-def _key_value(line: str) -> tuple[str, float] | None:
-    key, _, value = line.rpartition(" ")
-    try:
-        return key, float(value)
-    except ValueError:
-        return None
+_ADDITIVE = frozenset({"counter", "histogram", "summary"})
 
 
-def merge_expositions(texts: list[str]) -> str:
-    families: dict[str, list[str]] = {}  # family name -> its HELP/TYPE lines
-    samples: dict[str, dict[str, float]] = {}  # family name -> series key -> value
-    for text in texts:
+def _with_worker(key: str, worker: str) -> str:
+    label = f'worker="{worker}"'
+    if key.endswith("}"):
+        name, _, labels = key[:-1].partition("{")
+        return f"{name}{{{labels},{label}}}" if labels else f"{name}{{{label}}}"
+    return f"{key}{{{label}}}"
+
+
+def merge_expositions(texts: dict[str, str]) -> str:
+    """`texts`: worker name -> its exposition (Prometheus text format 0.0.4)."""
+    heads: dict[str, list[str]] = {}  # family -> its HELP/TYPE lines
+    kinds: dict[str, str] = {}  # family -> its TYPE
+    samples: dict[str, dict[str, float]] = {}  # family -> series key -> value
+    for worker, text in texts.items():
         family = ""
         for line in text.splitlines():
             if not line:
@@ -28,29 +36,37 @@ def merge_expositions(texts: list[str]) -> str:
                 parts = line.split(" ", 3)
                 if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
                     family = parts[2]
-                    head = families.setdefault(family, [])
+                    head = heads.setdefault(family, [])
                     if len(head) < 2 and line not in head:
                         head.append(line)
+                    if parts[1] == "TYPE" and len(parts) == 4:
+                        kinds[family] = parts[3].strip()
                     samples.setdefault(family, {})
                 continue
-            parsed = _key_value(line)
-            if parsed is None:
+            key, _, raw = line.rpartition(" ")
+            try:
+                value = float(raw)
+            except ValueError:
                 continue
-            key, value = parsed
             series = samples.setdefault(family, {})
-            name = key.split("{", 1)[0]
-            if key not in series:
+            if kinds.get(family) not in _ADDITIVE:
+                series[_with_worker(key, worker)] = value
+            elif key not in series:
                 series[key] = value
-            elif name.endswith("_created"):
+            elif key.split("{", 1)[0].endswith("_created"):
                 series[key] = min(series[key], value)
             else:
                 series[key] += value
     out: list[str] = []
     for family, series in samples.items():
-        out += families.get(family, [])
+        out += heads.get(family, [])
         out += [f"{key} {_number(value)}" for key, value in series.items()]
     return "\n".join(out) + "\n"
 
 
 def _number(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
     return repr(value) if value != int(value) or abs(value) >= 1e16 else f"{int(value)}.0"

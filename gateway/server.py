@@ -70,7 +70,9 @@ async def serve(
     # Bind every listener before starting anything, so a taken port fails fast and in one line.
     grpc_plane: GrpcPlane
     if slot is not None:  # one of several workers (gateway/supervisor.py)
-        http_sock = bind_shared(listen.host, slot.http_port, "http_port")
+        # Not listening yet: uvicorn's start listens, so the kernel gives this worker connections
+        # only once it can serve them (a replacement worker starting takes none meanwhile).
+        http_sock = bind_shared(listen.host, slot.http_port, "http_port", listen=False)
         ops_sock = bind_unix(str(slot.ops_socket))
         grpc_plane = WorkerGrpcPlane(cfg, slot.directory, slot.index)
     else:

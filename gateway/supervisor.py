@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from fastapi.responses import JSONResponse, Response
 
 from gateway.config import GatewayConfig
 from gateway.grpc_plane import WorkerSlot, data_plane_spec, keep_running
-from gateway.haproxy import HaproxyProcess, runtime_dir
+from gateway.haproxy import HaproxyProcess, die_with_parent, runtime_dir
 from gateway.listen import ListenError, bind_listener, bind_shared
 from gateway.metrics_merge import merge_expositions
 from gateway.upstream_http import HttpPool
@@ -40,6 +41,7 @@ from gateway.upstream_http import HttpPool
 logger = logging.getLogger(__name__)
 _PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 WORKER_START_TIMEOUT_S = 60.0
+RESTART_BACKOFF_S = 0.25
 
 
 class WorkerProcess:
@@ -47,6 +49,9 @@ class WorkerProcess:
         self.slot = slot
         self.config_file = config_file
         self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+        self.restart_at = 0.0
+        self.backoff_s = RESTART_BACKOFF_S
         self.ops = HttpPool(f"worker-{slot.index}:0", unix_path=str(slot.ops_socket), max_idle=4)
 
     def start(self) -> None:
@@ -55,7 +60,9 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "--config", str(self.config_file), "--worker", spec],
             stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,  # a supervisor killed outright takes its workers along
         )
+        self.started_at = time.monotonic()
 
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -90,7 +97,9 @@ def build_supervisor_ops(workers: list[WorkerProcess]) -> FastAPI:
     @api.get("/metrics")
     async def metrics() -> Response:
         bodies = await asyncio.gather(*(w.get(b"/metrics") for w in workers))
-        merged = merge_expositions([b.decode() for b in bodies if b is not None])
+        merged = merge_expositions(
+            {str(w.slot.index): b.decode() for w, b in zip(workers, bodies, strict=True) if b is not None}
+        )
         return Response(merged, media_type=_PROMETHEUS)
 
     @api.get("/admin/upstreams")
@@ -115,12 +124,27 @@ def build_supervisor_ops(workers: list[WorkerProcess]) -> FastAPI:
 
 
 async def _keep_workers(workers: list[WorkerProcess], stopping: asyncio.Event) -> None:
+    """Start a worker that died again, backing off (doubling to 30 s) while it keeps dying early."""
     while not stopping.is_set():
         await asyncio.sleep(0.5)
+        now = time.monotonic()
         for w in workers:
             code = w.exited()
-            if code is not None and not stopping.is_set():
-                logger.error("gateway worker %d exited with code %s; starting it again", w.slot.index, code)
+            if code is None or stopping.is_set():
+                continue
+            if w.restart_at == 0.0:
+                lived = now - w.started_at
+                w.backoff_s = RESTART_BACKOFF_S if lived > 60 else min(w.backoff_s * 2, 30.0)
+                w.restart_at = now + (0.0 if lived > 60 else w.backoff_s)
+                logger.error(
+                    "gateway worker %d exited with code %s after %.1fs; starting it again in %.1fs",
+                    w.slot.index,
+                    code,
+                    lived,
+                    w.restart_at - now,
+                )
+            if now >= w.restart_at:
+                w.restart_at = 0.0
                 w.start()
 
 
@@ -149,12 +173,30 @@ async def supervise(cfg: GatewayConfig, ready_file: Path | None, config_path: Pa
     haproxy = HaproxyProcess(data_plane_spec(cfg, grpc_sock, directory, len(workers)), directory)
     tasks: list[asyncio.Task[Any]] = []
     ops_server: uvicorn.Server | None = None
+    loop = asyncio.get_running_loop()
+
+    def forward(sig: int) -> None:
+        if sig in (signal.SIGTERM, signal.SIGINT):
+            stopping.set()
+        for w in workers:
+            w.signal(sig)
+
+    # Before anything starts: a SIGTERM while workers start stops them all, HAProxy too.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(sig, forward, sig)
     try:
         # HAProxy first: workers probe Triton over gRPC through it before they call themselves ready.
         await haproxy.start()
         for w in workers:
             w.start()
-        await asyncio.gather(*(w.wait_ready(WORKER_START_TIMEOUT_S) for w in workers))
+        ready: asyncio.Future[Any] = asyncio.gather(*(w.wait_ready(WORKER_START_TIMEOUT_S) for w in workers))
+        stop_wait: asyncio.Future[Any] = loop.create_task(stopping.wait())
+        await asyncio.wait({ready, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if stopping.is_set():
+            ready.cancel()
+            return
+        stop_wait.cancel()
+        await ready
         ops_server = uvicorn.Server(
             uvicorn.Config(
                 build_supervisor_ops(workers), loop="none", lifespan="off", access_log=False, log_config=None
@@ -163,16 +205,6 @@ async def supervise(cfg: GatewayConfig, ready_file: Path | None, config_path: Pa
         ops_server.config.load()
         ops_server.lifespan = ops_server.config.lifespan_class(ops_server.config)
         await ops_server.startup(sockets=[ops_sock])
-        loop = asyncio.get_running_loop()
-
-        def forward(sig: int) -> None:
-            if sig in (signal.SIGTERM, signal.SIGINT):
-                stopping.set()
-            for w in workers:
-                w.signal(sig)
-
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.add_signal_handler(sig, forward, sig)
         tasks = [loop.create_task(_keep_workers(workers, stopping)), loop.create_task(keep_running(haproxy))]
         grpc_port = int(grpc_sock.getsockname()[1])
         logger.info(

@@ -133,3 +133,20 @@ def test_the_grpcio_plane_still_serves(
     gw = make_gateway(gateway_config(fleet, listen={"grpc_data_plane": "grpcio"}, cache={"backend": "none"}))
     assert call(gw, infer_request()).model_name == "lt"
     assert not [p for p in psutil.Process(gw.proc.pid).children() if p.name() == "haproxy"]
+
+
+def test_ids_and_names_triton_would_echo_are_bounded(
+    fleet: dict[str, list[TritonServer]], make_gateway: Callable[..., GatewayUnderTest]
+) -> None:
+    gw = make_gateway(gateway_config(fleet, cache={"backend": "none"}))
+    long_id = infer_request()
+    long_id.id = "i" * 5000
+    long_name = infer_request()
+    long_name.inputs[0].name = "n" * 20_000
+    for req, field in ((long_id, "id has 5000"), (long_name, "inputs[0].name")):
+        with pytest.raises(grpc.RpcError) as caught:
+            call(gw, req)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+        assert field in caught.value.details()  # type: ignore[attr-defined]
+    # The server that would have echoed them was never blamed.
+    assert all(s["failures"] == 0 for s in gw.admin()["servers"])

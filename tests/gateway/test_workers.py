@@ -148,3 +148,29 @@ def test_a_killed_worker_is_replaced_and_sigterm_ends_all(
     gw.proc.send_signal(signal.SIGTERM)
     assert gw.proc.wait(30) == 0
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_a_killed_supervisor_takes_haproxy_and_its_workers_along(
+    fleet: dict[str, list[TritonServer]], make_gateway: Callable[..., GatewayUnderTest]
+) -> None:
+    gw = make_gateway(gateway_config(fleet, listen={"workers": 2}, cache={"backend": "none"}))
+    children = psutil.Process(gw.proc.pid).children()
+    assert len(children) == 3  # two workers and haproxy
+    gw.proc.kill()
+    gw.proc.wait(10)
+    wait_until(
+        lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children),
+        timeout=30,
+        what="workers and haproxy to exit with their supervisor",
+    )
+
+
+def test_gauges_keep_each_workers_view(
+    fleet: dict[str, list[TritonServer]], make_gateway: Callable[..., GatewayUnderTest]
+) -> None:
+    gw = make_gateway(gateway_config(fleet, listen={"workers": 2}, cache={"backend": "none"}))
+    lines = [ln for ln in gw.metrics().splitlines() if ln.startswith("skewserve_gateway_upstream_available{")]
+    assert lines and all('worker="' in ln for ln in lines)
+    # One series per server and worker, each 0 or 1 (never a sum across workers).
+    assert {float(ln.rsplit(" ", 1)[1]) for ln in lines} <= {0.0, 1.0}
+    assert len({ln.split('worker="')[1][0] for ln in lines}) == 2
