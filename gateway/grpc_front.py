@@ -80,29 +80,27 @@ def _check_tensor_counts(req: pb.ModelInferRequest, limit: int) -> None:
 
 
 # Triton repeats a request's id and tensor names in its error messages, which travel back in the
-# grpc-message trailer; HAProxy refuses trailers beyond its buffer (about 15 KiB) and answers 502,
-# which would count against a healthy server. Real ids and names are far shorter.
-MAX_ID_CHARS = 1024
-MAX_NAME_CHARS = 256
+# grpc-message trailer, percent-encoded (up to 3 bytes per byte); HAProxy refuses trailers beyond its
+# buffer (tune.bufsize 32 KiB in gateway/haproxy.py) with a 502, which would count against a healthy
+# server. These bounds keep the largest such message within it; real ids and names are far shorter.
+MAX_ID_BYTES = 8192
+MAX_NAME_BYTES = 256
 
 
 def _check_echoed_lengths(req: pb.ModelInferRequest) -> None:
-    if len(req.id) > MAX_ID_CHARS:
-        raise BadRequest(f"id has {len(req.id)} characters, more than {MAX_ID_CHARS}; send a shorter id")
+    def refuse_long(where: str, text: str, limit: int) -> None:
+        n = len(text.encode())
+        if n > limit:
+            raise BadRequest(f"{where} has {n} bytes, more than {limit}; send a shorter one")
+
+    refuse_long("id", req.id, MAX_ID_BYTES)
     for section, tensors in (("inputs", req.inputs), ("outputs", req.outputs)):
         for n, tensor in enumerate(tensors):
-            if len(tensor.name) > MAX_NAME_CHARS:
-                raise BadRequest(
-                    f"{section}[{n}].name has {len(tensor.name)} characters, more than {MAX_NAME_CHARS}"
-                )
+            refuse_long(f"{section}[{n}].name", tensor.name, MAX_NAME_BYTES)
             for key in tensor.parameters:
-                if len(key) > MAX_NAME_CHARS:
-                    raise BadRequest(
-                        f"{section}[{n}].parameters has a key of {len(key)} characters, more than {MAX_NAME_CHARS}"
-                    )
+                refuse_long(f"a key of {section}[{n}].parameters", key, MAX_NAME_BYTES)
     for key in req.parameters:
-        if len(key) > MAX_NAME_CHARS:
-            raise BadRequest(f"parameters has a key of {len(key)} characters, more than {MAX_NAME_CHARS}")
+        refuse_long("a key of parameters", key, MAX_NAME_BYTES)
 
 
 def _restamp(raw: bytes, request_id: str) -> bytes:

@@ -80,6 +80,8 @@ def render_config(spec: DataPlaneSpec) -> str:
     return f"""\
 global
   nbthread {spec.threads}
+  # Room for Triton's longest echoing error in a trailer (gateway/grpc_front.py MAX_ID_BYTES).
+  tune.bufsize 32768
   maxconn {spec.max_connections * 2 + 64}
   stats socket {spec.admin_socket} mode 600 level admin
   log stderr format short local0 err
@@ -113,7 +115,8 @@ backend workers
 
 frontend grpc_out
   bind unix@{spec.relay_socket} mode 600
-  http-request deny deny_status 400 if {{ req.hdr_cnt({TARGET_IP_HEADER}) ne 1 }} || {{ req.hdr_cnt({TARGET_PORT_HEADER}) ne 1 }}
+  # Exactly one target: set-dst would take the last of several. (ACL integers have no `ne`.)
+  http-request deny deny_status 400 if !{{ req.hdr_cnt({TARGET_IP_HEADER}) eq 1 }} || !{{ req.hdr_cnt({TARGET_PORT_HEADER}) eq 1 }}
   http-request set-dst req.hdr({TARGET_IP_HEADER},1)
   http-request set-dst-port req.hdr({TARGET_PORT_HEADER},1)
   http-request del-header {TARGET_IP_HEADER}

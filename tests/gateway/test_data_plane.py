@@ -140,10 +140,10 @@ def test_ids_and_names_triton_would_echo_are_bounded(
 ) -> None:
     gw = make_gateway(gateway_config(fleet, cache={"backend": "none"}))
     long_id = infer_request()
-    long_id.id = "i" * 5000
+    long_id.id = "i" * 9000
     long_name = infer_request()
-    long_name.inputs[0].name = "n" * 20_000
-    for req, field in ((long_id, "id has 5000"), (long_name, "inputs[0].name")):
+    long_name.inputs[0].name = "n" * 20_000  # a 5000-byte id is served: test_ops
+    for req, field in ((long_id, "id has 9000 bytes"), (long_name, "inputs[0].name")):
         with pytest.raises(grpc.RpcError) as caught:
             call(gw, req)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
