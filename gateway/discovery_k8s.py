@@ -40,6 +40,11 @@ class KubernetesApiError(Exception):
     """The API server could not be reached or answered with an error; the message says which."""
 
 
+# What a failed list or watch raises (the API refused, the network failed, or a malformed answer):
+# logged and retried, never fatal to discovery.
+_API_FAILURES = (KubernetesApiError, aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, KeyError)
+
+
 class _Expired(KubernetesApiError):
     """The watch's resourceVersion is gone (410): list again."""
 
@@ -201,14 +206,7 @@ class EndpointSliceSource(DiscoverySource):
     async def initial(self) -> None:
         try:
             await self.list_slices()
-        except (
-            KubernetesApiError,
-            aiohttp.ClientError,
-            OSError,
-            asyncio.TimeoutError,
-            ValueError,
-            KeyError,
-        ) as exc:
+        except _API_FAILURES as exc:
             logger.warning(
                 "listing EndpointSlices of %s for %s failed (retrying): %s",
                 self.k8s.service,
@@ -230,14 +228,7 @@ class EndpointSliceSource(DiscoverySource):
             except _Expired as exc:
                 logger.info("re-listing EndpointSlices for %s: %s", self.region.region, exc)
                 self.resource_version = None
-            except (
-                KubernetesApiError,
-                aiohttp.ClientError,
-                OSError,
-                asyncio.TimeoutError,
-                ValueError,
-                KeyError,
-            ) as exc:
+            except _API_FAILURES as exc:
                 logger.warning(
                     "EndpointSlices of %s for %s: %s; re-listing in %.1fs",
                     self.k8s.service,

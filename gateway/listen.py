@@ -8,7 +8,11 @@ probes any server: so the sockets are bound here first and handed to the servers
 from __future__ import annotations
 
 import errno
+import json
+import os
 import socket
+from pathlib import Path
+from typing import Any
 
 
 class ListenError(OSError):
@@ -32,18 +36,25 @@ def _refusal(field: str, host: str, port: int, exc: OSError) -> ListenError:
     )
 
 
-def bind_listener(host: str, port: int, field: str) -> socket.socket:
-    """A bound, listening TCP socket for uvicorn (port 0 = a free port); ListenError names `field`."""
+def _bind(host: str, port: int, field: str, *, reuseport: bool, listen: bool) -> socket.socket:
     sock = socket.socket(_family(host), socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart over TIME_WAIT sockets
+        if reuseport:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
-        sock.listen(2048)
+        if listen:
+            sock.listen(2048)
     except OSError as exc:
         sock.close()
         raise _refusal(field, host, port, exc) from None
     sock.setblocking(False)
     return sock
+
+
+def bind_listener(host: str, port: int, field: str) -> socket.socket:
+    """A bound, listening TCP socket for uvicorn (port 0 = a free port); ListenError names `field`."""
+    return _bind(host, port, field, reuseport=False, listen=True)
 
 
 def check_free(host: str, port: int, field: str) -> None:
@@ -58,28 +69,15 @@ def refused(field: str, host: str, port: int) -> ListenError:
     return _refusal(field, host, port, OSError(errno.EADDRINUSE, "in use"))
 
 
-def bind_shared(host: str, port: int, field: str, listen: bool = True) -> socket.socket:
-    """A TCP socket with SO_REUSEPORT: several worker processes bind the same port and the kernel
-    spreads new connections over them. With listen=False it only holds the port (the supervisor's
-    reservation, so that port 0 resolves once); only listening sockets receive connections."""
-    sock = socket.socket(_family(host), socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-        if listen:
-            sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        raise _refusal(field, host, port, exc) from None
-    sock.setblocking(False)
-    return sock
+def bind_shared(host: str, port: int, field: str) -> socket.socket:
+    """A bound, not yet listening TCP socket with SO_REUSEPORT: the supervisor's holds the port (so
+    port 0 resolves once) and each worker binds its own, listening once it serves (uvicorn's start);
+    the kernel spreads new connections over the listening ones only."""
+    return _bind(host, port, field, reuseport=True, listen=False)
 
 
 def bind_unix(path: str) -> socket.socket:
     """A listening unix socket (a worker's private ops listener), replacing a stale file."""
-    import os
-
     if os.path.exists(path):
         os.unlink(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -87,3 +85,8 @@ def bind_unix(path: str) -> socket.socket:
     sock.listen(256)
     sock.setblocking(False)
     return sock
+
+
+def write_ready_file(path: Path, bound: dict[str, Any]) -> None:
+    """What was bound (ports chosen free included), for whoever started the gateway to read."""
+    path.write_text(json.dumps(bound) + "\n")

@@ -11,7 +11,6 @@ SIGHUP: re-read the config file and apply region and server changes live (gatewa
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 from pathlib import Path
@@ -25,7 +24,7 @@ from gateway.grpc_front import GrpcFront
 from gateway.grpc_plane import GrpcioPlane, GrpcPlane, HaproxyGrpcPlane, WorkerGrpcPlane, WorkerSlot
 from gateway.http_front import HttpFront
 from gateway.http_protocol import with_header_timeout
-from gateway.listen import ListenError, bind_listener, bind_shared, bind_unix
+from gateway.listen import ListenError, bind_listener, bind_shared, bind_unix, write_ready_file
 from gateway.ops import build_ops_app
 from gateway.reload import ConfigReloader
 
@@ -72,7 +71,7 @@ async def serve(
     if slot is not None:  # one of several workers (gateway/supervisor.py)
         # Not listening yet: uvicorn's start listens, so the kernel gives this worker connections
         # only once it can serve them (a replacement worker starting takes none meanwhile).
-        http_sock = bind_shared(listen.host, slot.http_port, "http_port", listen=False)
+        http_sock = bind_shared(listen.host, slot.http_port, "http_port")
         ops_sock = bind_unix(str(slot.ops_socket))
         grpc_plane = WorkerGrpcPlane(cfg, slot.directory, slot.index)
     else:
@@ -149,16 +148,14 @@ async def serve(
         cfg.home_region,
     )
     if ready_file is not None:
-        ready_file.write_text(
-            json.dumps(
-                {
-                    "http_port": http_port,
-                    "grpc_port": grpc_port,
-                    "ops_port": ops_port,
-                    "ops_host": listen.ops_host,
-                }
-            )
-            + "\n"
+        write_ready_file(
+            ready_file,
+            {
+                "http_port": http_port,
+                "grpc_port": grpc_port,
+                "ops_port": ops_port,
+                "ops_host": listen.ops_host,
+            },
         )
     try:
         await server.main_loop()

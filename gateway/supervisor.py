@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from gateway.config import GatewayConfig
 from gateway.grpc_plane import WorkerSlot, data_plane_spec, keep_running
 from gateway.haproxy import HaproxyProcess, die_with_parent, runtime_dir
-from gateway.listen import ListenError, bind_listener, bind_shared
+from gateway.listen import bind_listener, bind_shared, write_ready_file
 from gateway.metrics_merge import merge_expositions
 from gateway.upstream_http import HttpPool
 
@@ -151,17 +151,11 @@ async def _keep_workers(workers: list[WorkerProcess], stopping: asyncio.Event) -
 async def supervise(cfg: GatewayConfig, ready_file: Path | None, config_path: Path | None) -> None:
     listen = cfg.listen
     # Bound first, as in a single process: a taken port fails the start in one line.
-    http_hold = bind_shared(listen.host, listen.http_port, "http_port", listen=False)
-    try:
-        ops_sock = bind_listener(listen.ops_host, listen.ops_port, "ops_port")
-        try:
-            grpc_sock = bind_listener(listen.host, listen.grpc_port, "grpc_port")
-        except ListenError:
-            ops_sock.close()
-            raise
-    except ListenError:
-        http_hold.close()
-        raise
+    with contextlib.ExitStack() as unwind:
+        http_hold = unwind.enter_context(bind_shared(listen.host, listen.http_port, "http_port"))
+        ops_sock = unwind.enter_context(bind_listener(listen.ops_host, listen.ops_port, "ops_port"))
+        grpc_sock = unwind.enter_context(bind_listener(listen.host, listen.grpc_port, "grpc_port"))
+        unwind.pop_all()  # all bound: closed in the `finally` below
     directory = runtime_dir()
     http_port = int(http_hold.getsockname()[1])
     config_file = config_path
@@ -219,18 +213,16 @@ async def supervise(cfg: GatewayConfig, ready_file: Path | None, config_path: Pa
             cfg.home_region,
         )
         if ready_file is not None:
-            ready_file.write_text(
-                json.dumps(
-                    {
-                        "http_port": http_port,
-                        "grpc_port": grpc_port,
-                        "ops_port": ops_sock.getsockname()[1],
-                        "ops_host": listen.ops_host,
-                        "workers": len(workers),
-                        "pid": os.getpid(),
-                    }
-                )
-                + "\n"
+            write_ready_file(
+                ready_file,
+                {
+                    "http_port": http_port,
+                    "grpc_port": grpc_port,
+                    "ops_port": ops_sock.getsockname()[1],
+                    "ops_host": listen.ops_host,
+                    "workers": len(workers),
+                    "pid": os.getpid(),
+                },
             )
         await stopping.wait()
         # Workers drain (they stop answering ready, finish in-flight calls) and exit on their own.

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -16,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.waiting import wait_until
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "test-access-key",
@@ -44,15 +45,16 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
     endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
+
+    def answers() -> bool:
         assert proc.poll() is None, f"moto_server exited with {proc.returncode}"
         try:
             urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
-            break
+            return True
         except (urllib.error.URLError, ConnectionError):
-            assert time.monotonic() < deadline, "moto_server did not answer within 60s"
-            time.sleep(0.05)
+            return False
+
+    wait_until(answers, 60, "moto_server to answer")
     try:
         yield S3Server(endpoint, proc)
     finally:

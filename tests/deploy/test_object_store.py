@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from exporter.pipeline import export_artifact
 from exporter.rollout import rollout
 from exporter.triton_config import parse
 from tests.deploy.conftest import HoldingProxy, S3Server
+from tests.waiting import wait_until
 
 NAME = "lt"
 
@@ -118,10 +118,13 @@ def test_sigkilled_export_leaves_no_partial_version_visible(
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 240
-        while not proxy.held.wait(timeout=0.2):  # the export trains nothing but runs parity: bounded
-            assert proc.poll() is None, proc.communicate()[0].decode()
-            assert time.monotonic() < deadline, "the publisher never reached the held request"
+        # The export trains nothing but runs parity checks before it publishes.
+        wait_until(
+            lambda: proxy.held.is_set() or proc.poll() is not None,
+            240,
+            "the publisher to reach the held request",
+        )
+        assert proc.poll() is None, proc.communicate()[0].decode()
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:

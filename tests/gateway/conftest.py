@@ -17,6 +17,7 @@ from skewserve.gateway_process import GatewayProcess, start_gateway_process
 from skewserve.ports import free_port
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
+from tests.waiting import wait_until as wait_until  # re-exported: gateway tests import it from here
 
 
 def start_fleet(
@@ -181,12 +182,3 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(10)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

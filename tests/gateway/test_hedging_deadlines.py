@@ -6,7 +6,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ import pytest
 
 from skewserve.ports import free_port
 from tests.gateway.conftest import gateway_config
+from tests.waiting import wait_until
 
 BODY = json.dumps(
     {"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.3] * 8}]}
@@ -32,14 +32,7 @@ def slow_pair(fleet) -> Iterator[dict[str, list[tuple[str, str, str]]]]:
         for p, t in zip(ports, (slow.http_port, slow.grpc_port), strict=True)
     ]
     for port in ports:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "delay proxy did not start"
-                time.sleep(0.05)
+        wait_until(lambda port=port: _accepts(port), 10, f"the delay proxy on port {port}")
     yield {
         "us-east": [
             ("fast", fast.http_address, fast.grpc_address),
@@ -144,3 +137,11 @@ def test_deadline_header_bounds_the_wait_with_504(slow_pair, make_gateway) -> No
         status == 400
         and body["error"] == "x-skewserve-timeout-ms must be a number of milliseconds, got 'soon'"
     )
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False

@@ -27,6 +27,7 @@ from gateway.auth import hash_key
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
 from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway, start_fleet, stop_fleet
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 USER_KEY = "sk-review-user-7d3e91b0c2"
@@ -358,10 +359,7 @@ def test_grpc_messages_held_at_once_are_bounded_in_bytes(one_triton, make_gatewa
         try:
             thread = threading.Thread(target=run_held, daemon=True)
             thread.start()
-            deadline = time.monotonic() + 15
-            while g.admin()["inflight"] < 1:  # the held message is in the gateway
-                assert time.monotonic() < deadline, "the held request never arrived"
-                time.sleep(0.02)
+            wait_until(lambda: g.admin()["inflight"] >= 1, 15, "the held message to be in the gateway")
             with pytest.raises(grpc.RpcError) as info:
                 call(other.SerializeToString(), timeout=10)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -488,10 +486,8 @@ def test_bytes_a_compressed_body_may_inflate_to_count_against_the_buffer(one_tri
     try:
         thread = threading.Thread(target=run_held, daemon=True)
         thread.start()
-        deadline = time.monotonic() + 15
-        while g.admin()["inflight"] < 1:  # the held request is in the gateway, its inflation reserved
-            assert time.monotonic() < deadline, "the held request never arrived"
-            time.sleep(0.02)
+        # the held request is in the gateway, its inflation reserved
+        wait_until(lambda: g.admin()["inflight"] >= 1, 15, "the held request to be in the gateway")
         status, _, raw = _post(g.http, packed, "lt_nocache", [("content-encoding", "gzip")])
         assert status == 503 and "limits.max_buffered_body_bytes" in _error(raw)
     finally:

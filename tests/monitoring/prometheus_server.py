@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -20,6 +19,7 @@ from typing import Any, TypeVar
 import yaml
 
 from skewserve.ports import free_port
+from tests.waiting import wait_until
 
 T = TypeVar("T")
 
@@ -150,9 +150,7 @@ class PrometheusServer:
 
     def wait_for(self, predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
         """Poll an observable state, bounded in time; the message says what never happened."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            time.sleep(0.2)
-        raise PrometheusError(f"timed out after {timeout_s}s waiting for {what}; log: {self.log_path}")
+        try:
+            wait_until(predicate, timeout_s, what, interval=0.2)
+        except AssertionError as exc:
+            raise PrometheusError(f"{exc}; log: {self.log_path}") from None

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.waiting import wait_until
 from training.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from training.config import TrainConfig
 from training.launch import torchrun_command
@@ -73,20 +74,22 @@ def _kill_after_epoch(proc: subprocess.Popen[bytes], out: Path, k: int, rng: ran
     """SIGKILL the run's process group a random moment after epoch k's checkpoint; its last epoch."""
     path = out / "checkpoints" / CHECKPOINT_NAME
     seen: tuple[int, int] | None = None
-    deadline = time.monotonic() + 120
-    while True:
+
+    def checkpointed() -> bool:
+        nonlocal seen
         assert proc.poll() is None, f"training exited ({proc.returncode}) before epoch {k} was checkpointed"
-        assert time.monotonic() < deadline, f"no checkpoint of epoch {k} within 120 s"
         try:
             st = os.stat(path)
-            stamp = (st.st_ino, st.st_mtime_ns)
         except FileNotFoundError:
-            stamp = None
-        if stamp is not None and stamp != seen:
-            seen = stamp
-            if _checkpoint_epoch(out) >= k:
-                break
-        time.sleep(0.005)
+            return False
+        stamp = (st.st_ino, st.st_mtime_ns)
+        if stamp == seen:
+            return False
+        seen = stamp
+        return _checkpoint_epoch(out) >= k
+
+    # Polled often: the kill must land soon after this checkpoint, within the next epoch.
+    wait_until(checkpointed, 120, f"the checkpoint of epoch {k}", interval=0.005)
     time.sleep(rng.uniform(0.0, 0.05))  # somewhere in the next epoch (or its checkpoint write)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
