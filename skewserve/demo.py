@@ -168,7 +168,7 @@ class Demo:
         import tritonclient.http as httpclient
 
         test = pd.read_parquet(data / "test.parquet").groupby("label").head(1).head(6)
-        x = test[[i["name"] for i in meta["inputs"]]].to_numpy(dtype=np.float32)
+        x = test[meta["preprocessing"]["feature_names"]].to_numpy(dtype=np.float32)
         http = httpclient.InferenceServerClient(stack.gateway_http)
         inp = httpclient.InferInput("features", list(x.shape), "FP32")
         inp.set_data_from_numpy(x, binary_data=True)

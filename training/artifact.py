@@ -7,6 +7,7 @@ directory without metadata.json as incomplete.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -15,16 +16,19 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
-from training.model import MLPClassifier, ModelSpec
+from training.data_spec import DataSpec
 
-FORMAT_VERSION = 1
+# 2: any model (its factory and arguments), any inputs (tensor specs), preprocessing. 1: the MLP only.
+FORMAT_VERSION = 2
 WEIGHTS_NAME = "model.pt"
+logger = logging.getLogger(__name__)
 
 
 def write_artifact(
     out_dir: Path,
-    model: MLPClassifier,
+    model: nn.Module,
     metadata: dict[str, Any],
     metrics: dict[str, Any],
     classes: list[str],
@@ -69,6 +73,23 @@ def plot_confusion(cm: np.ndarray, classes: list[str], path: Path) -> None:
     plt.close(fig)
 
 
+def _upgrade_v1(meta: dict[str, Any]) -> dict[str, Any]:
+    """A format-1 artifact (the tabular MLP) in format 2's terms, so older artifacts still export."""
+    names = [i["name"] for i in meta["inputs"]]
+    hyper = dict(meta["model"]["hyperparameters"])
+    return meta | {
+        "format_version": FORMAT_VERSION,
+        "model": {
+            "kind": "builtin",
+            "name": "mlp",
+            "args": {k: hyper[k] for k in ("width", "depth", "dropout")},
+        },
+        "data_kind": "table",
+        "inputs": [{"name": "features", "dtype": "float32", "shape": [len(names)]}],
+        "preprocessing": {"feature_names": names} | meta["normalisation"],
+    }
+
+
 def read_metadata(artifact_dir: Path) -> dict[str, Any]:
     path = Path(artifact_dir) / "metadata.json"
     if not path.is_file():
@@ -76,6 +97,8 @@ def read_metadata(artifact_dir: Path) -> dict[str, Any]:
             f"{artifact_dir} is not a complete artifact: metadata.json is missing (train first)"
         )
     meta: dict[str, Any] = json.loads(path.read_text())
+    if meta.get("format_version") == 1:
+        return _upgrade_v1(meta)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"artifact format_version {meta.get('format_version')} is not supported (expected {FORMAT_VERSION})"
@@ -83,12 +106,43 @@ def read_metadata(artifact_dir: Path) -> dict[str, Any]:
     return meta
 
 
-def load_model(artifact_dir: Path) -> tuple[MLPClassifier, dict[str, Any]]:
-    """Rebuild the trained module (eval mode) and its metadata from an artifact directory."""
+def data_spec(meta: dict[str, Any]) -> DataSpec:
+    """The DataSpec the model's factory was called with, from the artifact's metadata."""
+    return DataSpec.from_dict(
+        {
+            "kind": meta["data_kind"],
+            "inputs": meta["inputs"],
+            "classes": meta["classes"],
+            "class_counts": meta["class_counts"],
+            "preprocessing": meta.get("preprocessing", {}),
+        }
+    )
+
+
+def load_model(artifact_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
+    """Rebuild the trained module (eval mode) through its factory, and load its weights."""
+    from training.errors import ModelError
+    from training.factory import build, resolve
+
     meta = read_metadata(artifact_dir)
-    spec = ModelSpec(**meta["model"]["hyperparameters"])
-    model = MLPClassifier(spec)
+    source = meta["model"]
+    name = source.get("name", "mlp")
+    _, now = resolve(name)
+    if source.get("sha256") and now.get("sha256") != source["sha256"]:
+        logger.warning(
+            "model factory %s: its module file changed since training (sha256 %s, now %s)",
+            name,
+            str(source["sha256"])[:12],
+            str(now.get("sha256"))[:12],
+        )
+    model, _ = build(name, dict(source.get("args", {})), data_spec(meta))
     state = torch.load(Path(artifact_dir) / WEIGHTS_NAME, map_location="cpu", weights_only=True)
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ModelError(
+            f"the weights in {artifact_dir} do not fit the model {name!r} builds now: {str(exc).splitlines()[0]}; "
+            "restore the factory as it was at training time, or train again"
+        ) from exc
     model.eval()
     return model, meta

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,7 +17,26 @@ class TrainConfig(BaseModel):
     data_dir: Path
     out_dir: Path
     label_column: str = "label"
-    # model
+    # data beyond tables (training/images.py, training/shards.py)
+    image_size: int | None = Field(
+        default=None, ge=1, description="resize images to SIZE x SIZE; None: most common size"
+    )
+    channels: int | None = Field(
+        default=None, description="1 (grey) or 3 (RGB); None: 1 if every image is grey"
+    )
+    augment: bool = Field(default=True, description="train-time augmentation of images (random shift)")
+    skip_bad_files: bool = Field(
+        default=False, description="skip (and count) unreadable images instead of failing"
+    )
+    data_workers: int | Literal["auto"] = Field(
+        default="auto",
+        description="DataLoader worker processes per rank; auto: 0 for tables (in memory), else "
+        "min(4, cores per rank)",
+    )
+    # model: a built-in family or a user's MODULE:FACTORY (training/factory.py)
+    model: str = Field(default="mlp", min_length=1)
+    model_args: dict[str, Any] = Field(default_factory=dict)
+    # mlp shortcuts (the same as --model-arg width=... etc.)
     width: int = Field(default=128, ge=1)
     depth: int = Field(default=2, ge=1)
     dropout: float = Field(default=0.1, ge=0, lt=1)
@@ -107,6 +126,10 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"slow_rank {self.slow_rank} does not exist with {where}; use 0..{self.world_size - 1}"
             )
+        if self.channels is not None and self.channels not in (1, 3):
+            raise ValueError(f"channels must be 1 (grey) or 3 (RGB), got {self.channels}")
+        if isinstance(self.data_workers, int) and self.data_workers < 0:
+            raise ValueError(f"data_workers must be >= 0 or 'auto', got {self.data_workers}")
         if isinstance(self.weight_decay, float) and self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0 or 'auto', got {self.weight_decay}")
         if isinstance(self.input_noise, float) and self.input_noise < 0:

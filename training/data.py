@@ -5,11 +5,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
 from training.errors import DataError
+
+if TYPE_CHECKING:
+    from training.datasets import LabelledData
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,13 @@ class Split:
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
+
+    def items(self, index: np.ndarray) -> tuple[np.ndarray, ...]:
+        """A whole batch at once (tables live in memory; one gather beats per-row reads)."""
+        return (self.features[index],)
+
+    def item(self, index: int) -> tuple[np.ndarray, ...]:
+        return (self.features[index],)
 
 
 @dataclass(frozen=True)
@@ -58,20 +69,25 @@ def _validate_frame(df: pd.DataFrame, label: str, split: str, feature_names: lis
         raise DataError(f"{split} split lacks feature columns {missing}")
     if not features:
         raise DataError(f"{split} split has no feature columns besides the label {label!r}")
+    problems = []
     for col in features:
         if not pd.api.types.is_numeric_dtype(df[col]) or pd.api.types.is_bool_dtype(df[col]):
-            raise DataError(
+            problems.append(
                 f"feature column {col!r} in the {split} split is not numeric (dtype {df[col].dtype}); "
                 "encode it as numbers or drop it"
             )
+            continue
         values = df[col].to_numpy(dtype=np.float64)
         bad = ~np.isfinite(values)
         if bad.any():
             n_nan = int(np.isnan(values).sum())
-            raise DataError(
+            problems.append(
                 f"feature column {col!r} in the {split} split has {int(bad.sum())} non-finite values "
                 f"({n_nan} NaN, {int(bad.sum()) - n_nan} inf); impute or drop those rows"
             )
+    # Every column's problem at once: fixing one and rerunning to meet the next costs a user an hour.
+    if problems:
+        raise DataError("; ".join(problems))
     if df[label].isna().any():
         raise DataError(
             f"label column {label!r} in the {split} split has {int(df[label].isna().sum())} missing values"
@@ -148,3 +164,27 @@ def load_data_dir(data_dir: Path, label: str = "label") -> TabularDataset:
     train, val = find("train", True), find("val", True)
     assert train is not None and val is not None
     return load_dataset(train, val, label=label, test_path=find("test", False))
+
+
+def open_table(data_dir: Path, label: str = "label") -> LabelledData:
+    """A table data set as LabelledData: one float32 input `features`, standardisation stats."""
+    from training.data_spec import DataSpec, InputSpec
+    from training.datasets import LabelledData, class_warnings
+
+    ds = load_data_dir(data_dir, label)
+    from training.model import standardisation
+
+    mean, std = standardisation(ds.train.features)
+    spec = DataSpec(
+        kind="table",
+        inputs=(InputSpec("features", "float32", (len(ds.feature_names),)),),
+        classes=tuple(ds.classes),
+        class_counts=tuple(int(c) for c in ds.class_counts),
+        preprocessing={"feature_names": ds.feature_names, "mean": mean.tolist(), "std": std.tolist()},
+    )
+    labels = {"train": ds.train.labels, "val": ds.val.labels} | (
+        {"test": ds.test.labels} if ds.test is not None else {}
+    )
+    return LabelledData(
+        spec, ds.train, ds.val, ds.test, ds.data_hash, tuple(class_warnings(labels, ds.classes))
+    )

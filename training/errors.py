@@ -4,6 +4,7 @@ TrainingError
  +-- DataError          the data set is unusable; the message names the column / class / count
  +-- ConfigError        settings contradict each other; the message names the field and the fix
  +-- CheckpointError    a checkpoint cannot be resumed from
+ +-- ModelError         a model factory cannot be imported or built, or its output is wrong
 """
 
 
@@ -20,4 +21,8 @@ class ConfigError(TrainingError):
 
 
 class CheckpointError(TrainingError):
+    pass
+
+
+class ModelError(TrainingError):
     pass

@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,22 +38,24 @@ from training.budget import (
 )
 from training.checkpoint import load_newest_checkpoint, save_checkpoint
 from training.config import TrainConfig
-from training.data import Split, TabularDataset, load_data_dir
+from training.data_source import open_data
+from training.datasets import Batch, LabelledData, SplitDataset, identity_collate
 from training.device import (
     Placement,
     StepClock,
     activate,
     autocast,
-    gather_batch,
     grad_scaler,
     host_capabilities,
     plan_placement,
     step_clock,
+    to_device,
 )
 from training.errors import CheckpointError
+from training.factory import build as build_model
+from training.factory import check_output
 from training.losses import SkewLoss
 from training.metrics import classification_report
-from training.model import MLPClassifier, ModelSpec, standardisation
 from training.monitor import SkewMonitor, StepRecord
 from training.progress import EpochProgress
 from training.sampler import ClassBalancedSampler
@@ -61,6 +64,10 @@ from training.speed_balance import RankSpeedBalancer, slice_for_rank
 logger = logging.getLogger(__name__)
 # Fields whose change makes a checkpoint meaningless to resume.
 RESUME_KEYS = (
+    "model",
+    "model_args",
+    "image_size",
+    "channels",
     "loss",
     "tau",
     "sampler_q",
@@ -125,14 +132,55 @@ def _all_gather_floats(values: list[float], world: int, device: torch.device) ->
     return torch.stack(out).cpu().numpy()
 
 
+EVAL_BATCH = 256
+
+
 def evaluate(
-    model: torch.nn.Module, split: Split, classes: list[str], device: torch.device | None = None
+    model: torch.nn.Module,
+    dataset: SplitDataset,
+    classes: list[str],
+    device: torch.device | None = None,
+    workers: int = 0,
 ) -> dict[str, Any]:
+    """Metrics of `model` on a whole split, read in order through a DataLoader (workers decode)."""
+    n = len(dataset)
+    batches = [list(range(i, min(n, i + EVAL_BATCH))) for i in range(0, n, EVAL_BATCH)]
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=batches, collate_fn=identity_collate, num_workers=workers
+    )
+    preds = []
     model.eval()
     with torch.no_grad():
-        logits = model(torch.from_numpy(split.features).to(device or torch.device("cpu")))
+        for inputs, _ in loader:
+            logits = model(*(t.to(device or torch.device("cpu")) for t in inputs))
+            preds.append(logits.argmax(dim=1).cpu().numpy())
     model.train()
-    return classification_report(split.labels, logits.argmax(dim=1).cpu().numpy(), classes)
+    pred = np.concatenate(preds) if preds else np.zeros(0, dtype=np.int64)
+    return classification_report(dataset.split.labels, pred, classes)
+
+
+class EpochBatches:
+    """The DataLoader's batch sampler: this rank's index lists of the current epoch, in step order."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.epoch = 0
+
+    def __iter__(self) -> Any:
+        for idx, _ in self.trainer._batches(self.epoch):
+            yield idx.tolist()
+
+    def __len__(self) -> int:
+        return self.trainer.steps_per_epoch
+
+
+def resolve_workers(cfg: TrainConfig, kind: str) -> int:
+    """DataLoader workers per rank: tables live in memory (0); other data decodes or reads from disk."""
+    if cfg.data_workers != "auto":
+        return int(cfg.data_workers)
+    if kind == "table":
+        return 0
+    return max(1, min(4, (os.cpu_count() or 1) // (cfg.nproc or 1)))
 
 
 def _lr_lambda(total_steps: int, warmup_steps: int) -> Any:
@@ -155,19 +203,37 @@ class Trainer:
         # An explicit OMP_NUM_THREADS (the launcher's or the user's) wins over the per-node split.
         omp = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         torch.set_num_threads(cfg.threads_per_rank or omp or max(1, (os.cpu_count() or 1) // cfg.nproc))
-        self.data: TabularDataset = load_data_dir(cfg.data_dir, cfg.label_column)
-        train = self.data.train
-        self.counts = self.data.class_counts
-        mean, std = standardisation(train.features)
-        torch.manual_seed(cfg.seed)
-        self.spec = ModelSpec(
-            n_features=train.features.shape[1],
-            n_classes=len(self.data.classes),
-            width=cfg.width,
-            depth=cfg.depth,
-            dropout=cfg.dropout,
+        self.data: LabelledData = open_data(
+            cfg.data_dir, cfg.label_column, cfg.image_size, cfg.channels, cfg.augment, cfg.skip_bad_files
         )
-        self.model = MLPClassifier(self.spec, mean, std).to(self.device)
+        if self.rank == 0:
+            for note in self.data.warnings:
+                logger.warning("data: %s", note)
+        spec = self.data.spec
+        self.train_set = SplitDataset(self.data.train, spec)
+        self.val_set = SplitDataset(self.data.val, spec)
+        self.counts = self.data.class_counts
+        n_rows = len(self.data.train)
+        n_features = int(np.prod([max(1, d) for d in spec.inputs[0].shape])) if spec.inputs else 1
+        if spec.kind == "table":
+            self.input_noise = resolve_input_noise(cfg, n_rows, n_features)
+            self.weight_decay = resolve_weight_decay(cfg, n_rows, n_features)
+        else:
+            # The ridge-like auto settings are fitted to tables; images get augmentation instead.
+            self.input_noise = 0.0 if cfg.input_noise == "auto" else float(cfg.input_noise)
+            self.weight_decay = 0.05 if cfg.weight_decay == "auto" else float(cfg.weight_decay)
+        self.model_args: dict[str, Any] = dict(cfg.model_args)
+        if cfg.model == "mlp":
+            shortcuts = {"width": cfg.width, "depth": cfg.depth, "dropout": cfg.dropout}
+            self.model_args = shortcuts | {"input_noise": self.input_noise} | self.model_args
+        torch.manual_seed(cfg.seed)
+        model, self.model_record = build_model(cfg.model, self.model_args, spec)
+        probe = self.train_set.__getitems__(list(range(min(4, n_rows))))
+        check_output(model, probe[0], spec, cfg.model)
+        if self.world > 1 and self.placement.device_type == "cuda":
+            # Batch statistics over the global batch, not each rank's (possibly tiny) share of it.
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        self.model = model.to(self.device)
         self.loss_fn = SkewLoss(cfg.loss, self.counts, tau=cfg.tau, gamma=cfg.focal_gamma).to(self.device)
         self.clock: StepClock = step_clock(self.placement)
         self.hook = _HookState(
@@ -185,7 +251,7 @@ class Trainer:
         else:
             self.ddp = self.model
         self.sampler = ClassBalancedSampler(
-            train.labels, self.world, self.rank, q=cfg.sampler_q, seed=cfg.seed
+            self.data.train.labels, self.world, self.rank, q=cfg.sampler_q, seed=cfg.seed
         )
         self.balancer = RankSpeedBalancer(self.world, enabled=cfg.speed_balance and self.world > 1)
         self.local_batch = max(1, cfg.global_batch_size // self.world)
@@ -195,8 +261,6 @@ class Trainer:
             self.steps_per_epoch = max(1, math.ceil(self.sampler.per_rank / self.local_batch))
         self.budget = resolve_budget(cfg, self.steps_per_epoch, len(self.data.val))
         self.early_stop = SmoothedEarlyStopping(self.budget)
-        self.input_noise = resolve_input_noise(cfg, len(train), train.features.shape[1])
-        self.weight_decay = resolve_weight_decay(cfg, len(train), train.features.shape[1])
         if self.rank == 0:
             logger.info(
                 "budget: %s; input noise %.3f; weight decay %.3f",
@@ -213,9 +277,19 @@ class Trainer:
         self.monitor = SkewMonitor(
             cfg.checkpoint_dir, self.rank, self.world, len(self.data.classes), device=self.device
         )
-        # Batches are gathered on the host, then copied (pinned, non_blocking on CUDA) to the device.
-        self.x = torch.from_numpy(np.array(train.features, copy=True))
-        self.y = torch.from_numpy(np.array(train.labels, copy=True))
+        # Batches are read by DataLoader workers (tables: in this process), pinned on CUDA and copied
+        # non_blocking; the batch sampler hands out this rank's share of each global batch.
+        self.workers = resolve_workers(cfg, spec.kind)
+        self.epoch_batches = EpochBatches(self)
+        self.loader = torch.utils.data.DataLoader(
+            self.train_set,
+            batch_sampler=self.epoch_batches,
+            collate_fn=identity_collate,
+            num_workers=self.workers,
+            pin_memory=self.placement.pin_memory,
+            persistent_workers=self.workers > 0,
+            prefetch_factor=4 if self.workers > 0 else None,
+        )
         self.start_epoch = 0
         self.resumed_from_epoch: int | None = None
         self.elastic_restarts = 0  # torchrun restarts of the job before this run, agreed by all ranks
@@ -315,18 +389,19 @@ class Trainer:
                 local = order[s * self.local_batch : (s + 1) * self.local_batch]
                 yield local, len(local) * self.world
 
-    def _step(self, idx: np.ndarray, global_n: int, epoch: int, step: int) -> tuple[float, StepRecord]:
+    def fetch(self, idx: np.ndarray) -> Batch:
+        """Read a batch in this process (the loader's workers do this during training)."""
+        return self.train_set.__getitems__(idx.tolist())
+
+    def _step(self, batch: Batch, global_n: int, epoch: int, step: int) -> tuple[float, StepRecord]:
+        """One optimizer step on a host batch; the caller started the clock before reading it."""
         clock = self.clock
-        clock.start()
-        index = torch.from_numpy(idx)
-        xb = gather_batch(self.x, index, self.placement)
-        yb = gather_batch(self.y, index, self.placement)
-        if self.input_noise > 0:
-            # Noise in standardised units smooths the boundary around a rare class's few rows.
-            xb = xb + self.input_noise * self.model.feature_std * torch.randn_like(xb)
+        host_inputs, host_labels = batch
+        inputs = tuple(to_device(t, self.placement) for t in host_inputs)
+        yb = to_device(host_labels, self.placement)
         clock.mark("batch_ready")
         with autocast(self.placement):
-            logits = self.ddp(xb)
+            logits = self.ddp(*inputs)
         # sum * world / global batch: with DDP's mean all-reduce the update is the global-batch mean.
         # The loss is taken in fp32: logit adjustment adds log-priors that fp16 would round.
         loss = self.loss_fn(logits.float(), yb).sum() * (self.world / global_n)
@@ -356,7 +431,7 @@ class Trainer:
             self.rank,
             epoch,
             step,
-            len(idx),
+            len(host_labels),
             compute,
             clock.seconds("start", "batch_ready"),
             clock.seconds("compute_end", "backward_end"),
@@ -364,7 +439,7 @@ class Trainer:
         )
         if self.balancer.enabled:
             self.balancer.observe(_all_gather_floats([rec.compute_s], self.world, self.device)[:, 0])
-        return float(loss.detach()) * global_n / self.world / max(1, len(idx)), rec
+        return float(loss.detach()) * global_n / self.world / max(1, len(host_labels)), rec
 
     def fit(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -379,14 +454,20 @@ class Trainer:
             self.ddp.train()
             start = time.monotonic()
             loss_sum = 0.0
-            for step, (idx, global_n) in enumerate(self._batches(epoch)):
-                loss, rec = self._step(idx, global_n, epoch, step)
+            self.epoch_batches.epoch = epoch
+            batches = iter(self.loader)
+            for step in range(self.steps_per_epoch):
+                self.clock.start()
+                batch = next(batches)
+                # Full global batches with the balancer; equal local batches on every rank without it.
+                global_n = self.cfg.global_batch_size if self.balancer.enabled else len(batch[1]) * self.world
+                loss, rec = self._step(batch, global_n, epoch, step)
                 loss_sum += loss
-                self.monitor.record(rec, self.data.train.labels[idx])
+                self.monitor.record(rec, batch[1].numpy())
                 if bar is not None:
                     bar.step()
             wall = time.monotonic() - start
-            val = evaluate(self.model, self.data.val, self.data.classes, self.device)
+            val = evaluate(self.model, self.val_set, self.data.classes, self.device, self.workers)
             steps_done = (epoch + 1) * self.steps_per_epoch
             improved, stop = self.early_stop.observe(steps_done, val["balanced_accuracy"])
             if improved:
@@ -438,10 +519,11 @@ class Trainer:
             return {}
         if self.best_state is not None:
             self.model.load_state_dict(self.best_state)
-        self.model.to("cpu")  # the artifact holds CPU weights whatever device trained them
-        metrics = {"val": evaluate(self.model, self.data.val, self.data.classes)}
+        metrics = {"val": evaluate(self.model, self.val_set, self.data.classes, self.device, self.workers)}
         if self.data.test is not None:
-            metrics["test"] = evaluate(self.model, self.data.test, self.data.classes)
+            test_set = SplitDataset(self.data.test, self.data.spec)
+            metrics["test"] = evaluate(self.model, test_set, self.data.classes, self.device, self.workers)
+        self.model.to("cpu")  # the artifact holds CPU weights whatever device trained them
         epochs = self.history
         summary = {
             "epochs_run": len(epochs),
@@ -461,18 +543,20 @@ class Trainer:
         metadata = {
             "format_version": FORMAT_VERSION,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "model": {"family": "mlp", "hyperparameters": self.spec.model_dump()},
-            "inputs": [{"name": n, "dtype": "float32"} for n in self.data.feature_names],
-            "normalisation": {
-                "mean": self.model.feature_mean.tolist(),
-                "std": self.model.feature_std.tolist(),
-            },
+            # How to rebuild the model: the factory (and a hash of a user's module), its arguments.
+            "model": self.model_record,
+            # The data contract: input tensors (dtype, per-item shape, -1 dynamic), preprocessing.
+            "data_kind": self.data.spec.kind,
+            "inputs": [i.as_dict() for i in self.data.spec.inputs],
+            "preprocessing": self.data.spec.preprocessing,
             "classes": self.data.classes,
             "class_counts": [int(c) for c in counts],
             "class_priors": (counts / counts.sum()).tolist(),
             "metrics": headline,
             "provenance": {
-                "data_dir": str(self.cfg.data_dir),
+                # Absolute: export finds the validation samples for its parity gate from any directory.
+                "data_dir": str(Path(self.cfg.data_dir).resolve()),
+                "label_column": self.cfg.label_column,
                 "data_hash": self.data.data_hash,
                 "seed": self.cfg.seed,
                 "world_size": self.world,

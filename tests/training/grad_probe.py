@@ -35,7 +35,8 @@ def stepped_gradient(trainer: Trainer, idx: np.ndarray, global_n: int) -> dict[s
             grads[name] = p.grad.detach().clone()
 
     handle = trainer.optimizer.register_step_pre_hook(capture)
-    trainer._step(idx, global_n, epoch=0, step=0)
+    trainer.clock.start()
+    trainer._step(trainer.fetch(np.asarray(idx)), global_n, epoch=0, step=0)
     handle.remove()
     return grads
 

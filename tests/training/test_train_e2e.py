@@ -31,11 +31,13 @@ def test_torchrun_two_ranks_writes_a_complete_artifact(small_data: Path, tmp_pat
     meta = train(cfg, log_path=tmp_path / "torchrun.log")
     for name in ("model.pt", "metadata.json", "metrics.json", "confusion_matrix.png", "checkpoints/last.pt"):
         assert (out / name).is_file(), name
-    assert meta["format_version"] == 1
+    assert meta["format_version"] == 2
+    assert meta["model"] == {"kind": "builtin", "name": "mlp", "args": meta["model"]["args"]}
+    assert meta["inputs"] == [{"name": "features", "dtype": "float32", "shape": [8]}]
     assert meta["provenance"]["world_size"] == 2 and meta["provenance"]["precision"] == "bf16"
     assert meta["classes"] == [f"class_{i:02d}" for i in range(5)]
-    assert [i["name"] for i in meta["inputs"]] == [f"f{i:02d}" for i in range(8)]
-    assert len(meta["normalisation"]["mean"]) == 8 and abs(sum(meta["class_priors"]) - 1) < 1e-9
+    assert meta["preprocessing"]["feature_names"] == [f"f{i:02d}" for i in range(8)]
+    assert len(meta["preprocessing"]["mean"]) == 8 and abs(sum(meta["class_priors"]) - 1) < 1e-9
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics) == {"val", "test"} and len(metrics["test"]["confusion_matrix"]) == 5
     # both ranks wrote step records; epoch summaries carry the imbalance ratio and class counts
