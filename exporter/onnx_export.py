@@ -8,39 +8,74 @@ import logging
 import warnings
 from collections import deque
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import onnx
 import torch
 
-from exporter.contract import INPUT_NAME, ServingContract
+from exporter.contract import ServingContract
+from exporter.errors import ExportError
 from exporter.graph import ServingModule
 
 logger = logging.getLogger(__name__)
 OPSET = 18
 
 
-def export_onnx(
-    module: ServingModule, contract: ServingContract, path: Path, max_batch: int
-) -> onnx.ModelProto:
-    """Export with torch.export (PyTorch's supported ONNX path); onnx.checker must pass."""
-    example = torch.zeros(2, contract.n_features)
+def dynamic_shapes(contract: ServingContract, max_batch: int) -> tuple[dict[int, Any], ...]:
+    """torch.export dims per input: the batch axis, and every -1 of the contract up to its longest."""
     batch = torch.export.Dim("batch", min=1, max=max(2, max_batch))
+    out = []
+    for spec in contract.inputs:
+        axes: dict[int, Any] = {0: batch}
+        ranges = iter(spec.ranges)
+        for axis, d in enumerate(spec.dims, start=1):
+            if d == -1:
+                top = next(ranges, (1, 1, 4096))[2]
+                axes[axis] = torch.export.Dim(f"{spec.name}_{axis}", min=1, max=max(2, top))
+        out.append(axes)
+    return tuple(out)
+
+
+def export_onnx(
+    module: ServingModule,
+    contract: ServingContract,
+    path: Path,
+    max_batch: int,
+    example: tuple[np.ndarray, ...],
+    model_name: str = "the model",
+) -> onnx.ModelProto:
+    """Export with torch.export (PyTorch's supported ONNX path) on a real batch; onnx.checker must pass.
+
+    A model torch.export cannot trace (data-dependent control flow, an operator without an ONNX
+    lowering) is refused with the operator or line named and the TorchScript route suggested.
+    """
+    args = tuple(torch.from_numpy(np.ascontiguousarray(x)) for x in example)
     # The exporter narrates progress on stdout and warns about optional torchvision ops and its own
     # deprecations; none of it concerns this graph, so keep it off the CLI's output.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\..*|copyreg")
-        program = torch.onnx.export(
-            module,
-            (example,),
-            dynamo=True,
-            opset_version=OPSET,
-            input_names=[INPUT_NAME],
-            output_names=contract.output_names,
-            dynamic_shapes=({0: batch},),
-            verbose=False,
-            report=False,
-        )
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\..*|copyreg")
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\..*")
+            program = torch.onnx.export(
+                module,
+                args,
+                dynamo=True,
+                opset_version=OPSET,
+                input_names=contract.input_names,
+                output_names=contract.output_names,
+                dynamic_shapes=dynamic_shapes(contract, max_batch),
+                verbose=False,
+                report=False,
+            )
+    except Exception as exc:
+        detail = " ".join(str(exc).split())[:600]
+        raise ExportError(
+            f"{model_name} cannot be exported to ONNX: {type(exc).__name__}: {detail}. If an operator or "
+            "data-dependent branch is named, rewrite it, or export with --format torchscript (traced, "
+            "served by Triton's libtorch backend)"
+        ) from exc
     assert program is not None
     model = program.model_proto
     onnx.checker.check_model(model, full_check=True)

@@ -11,25 +11,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import onnx
 
 from exporter.contract import LABELS_FILE, ServingContract
 from exporter.errors import ExportError
-from exporter.graph import ServingModule
+from exporter.graph import serving_module
 from exporter.onnx_export import OPSET, convert_fp16, export_onnx
 from exporter.parity import (
     TF32_TOLERANCE,
     TOLERANCE,
+    Inputs,
     ParityReport,
     Runner,
     compare,
     gpu_canary_tolerance,
     onnxruntime_runner,
-    parity_rows,
     require,
+    synthetic_batches,
     torch_runner,
     torchscript_runner,
+    validation_batches,
 )
 from exporter.publish import CARD, Published, new_staging_dir, publish_version
 from exporter.target import TARGET
@@ -42,6 +43,7 @@ from training.artifact import load_model
 logger = logging.getLogger(__name__)
 LOCAL_RUNNER = Path(__file__).with_name("local_backend_model.py")
 LOCAL_TORCH_RUNNER = Path(__file__).with_name("local_torch_model.py")
+LOCAL_BATCHING = Path(__file__).with_name("local_batching.py")
 FORMATS = ("onnx", "torchscript")
 CANARY_ROWS = 8
 
@@ -54,16 +56,37 @@ class ExportResult:
     notices: list[str] = field(default_factory=list)
 
 
-def _validation_rows(meta: dict[str, Any]) -> tuple[np.ndarray | None, str]:
-    from training.data import load_data_dir
-
+def _parity_batches(
+    meta: dict[str, Any], contract: ServingContract, max_batch: int
+) -> tuple[list[Inputs], str, str | None]:
+    """Real validation batches, else synthetic ones with a notice saying the gate is weaker."""
     data_dir = meta.get("provenance", {}).get("data_dir")
-    if not data_dir:
-        return None, "artifact names no data_dir; parity used random rows only"
-    try:
-        return load_data_dir(Path(data_dir)).val.features, f"validation rows from {data_dir}"
-    except Exception as exc:  # missing or moved data must not block a publish; random rows still run
-        return None, f"validation rows unavailable ({exc}); parity used random rows only"
+    reason = "the artifact names no data directory"
+    if data_dir:
+        try:
+            batches = validation_batches(meta, max_batch)
+            rows = sum(len(b[0]) for b in batches)
+            if rows:
+                return batches, f"{rows} validation rows from {data_dir}", None
+            reason = f"{data_dir} has an empty validation split"
+        except Exception as exc:  # moved or unreadable data must not block a publish: say so instead
+            reason = f"validation data at {data_dir} unavailable ({exc})"
+    batches = synthetic_batches(contract, meta, max_batch)
+    rows = sum(len(b[0]) for b in batches)
+    note = f"{reason}; parity used {rows} synthetic rows only"
+    return batches, note, f"parity gate weakened: {note}"
+
+
+def _example(batches: list[Inputs]) -> Inputs:
+    """A batch of at least two rows (torch.export specialises dimensions of size 1)."""
+    return max(batches[:12], key=lambda b: (min(len(b[0]), 8), *(x.size for x in b)))
+
+
+def _canary_record(inputs: Inputs, contract: ServingContract) -> list[dict[str, Any]]:
+    return [
+        {"name": t.name, "datatype": t.triton_dtype, "shape": list(x.shape), "data": x.reshape(-1).tolist()}
+        for t, x in zip(contract.inputs, inputs, strict=True)
+    ]
 
 
 def _sha256(path: Path) -> str:
@@ -155,12 +178,14 @@ def export_artifact(
     backend = "pytorch" if fmt == "torchscript" else "tensorrt" if use_trt else "onnxruntime"
     model, meta = load_model(artifact)
     contract = ServingContract.from_metadata(meta)
-    module = ServingModule(model)
+    module = serving_module(model, contract.input_names)
+    source = meta["model"].get("name", "mlp")
     staging = new_staging_dir(model_dir)
     try:
         started = time.monotonic()
-        val_rows, rows_note = _validation_rows(meta)
-        batches = parity_rows(meta, val_rows, opts.max_batch_size)
+        batches, rows_note, weakened = _parity_batches(meta, contract, opts.max_batch_size)
+        if weakened:
+            notices.append(weakened)
         reference = torch_runner(module)
         reports: list[ParityReport] = []
         trt_record = None
@@ -168,13 +193,17 @@ def export_artifact(
         if fmt == "torchscript":
             from exporter.torchscript_export import export_torchscript
 
-            export_torchscript(module, contract, staging / "model.pt")
+            sized = sorted({len(b[0]): b for b in batches if len(b[0]) > 1}.items())
+            export_torchscript(module, [b for _, b in sized[:3]] or batches[:1], staging / "model.pt")
             served: Runner = torchscript_runner(str(staging / "model.pt"))
             reports.append(require(compare(reference, served, batches, "torchscript", "fp32")))
             ir_version = None
             shutil.copy2(LOCAL_TORCH_RUNNER, staging / "model.py")
+            shutil.copy2(LOCAL_BATCHING, staging / "batching.py")
         else:
-            fp32 = export_onnx(module, contract, staging / "model.onnx", opts.max_batch_size)
+            fp32 = export_onnx(
+                module, contract, staging / "model.onnx", opts.max_batch_size, _example(batches), repr(source)
+            )
             reports.append(
                 require(
                     compare(
@@ -216,7 +245,7 @@ def export_artifact(
                 trt_record = build_plans(
                     staging / "model.onnx",
                     staging,
-                    contract.n_features,
+                    contract,
                     opts.max_batch_size,
                     fp16=precision == "fp16",
                     timing_cache=Path(repo) / ".tensorrt_timing_cache",
@@ -225,9 +254,9 @@ def export_artifact(
                 )
                 cc_plans = {p.compute_capability: p.file for p in trt_record.plans}
             shutil.copy2(LOCAL_RUNNER, staging / "model.py")
-        canary_x = (val_rows[:CANARY_ROWS] if val_rows is not None else batches[0][:CANARY_ROWS]).astype(
-            np.float32
-        )
+            shutil.copy2(LOCAL_BATCHING, staging / "batching.py")
+        first = max(batches, key=lambda b: min(len(b[0]), CANARY_ROWS))
+        canary_x = tuple(x[:CANARY_ROWS] for x in first)
         canary_y = served(canary_x)
         gpu_tol = gpu_canary_tolerance(backend, precision, opts.ort_tensorrt, trt_opts.tf32)
         card = {
@@ -251,7 +280,7 @@ def export_artifact(
             },
             "parity": [r.as_dict() for r in reports],
             "canary": {
-                "inputs": canary_x.tolist(),
+                "inputs": _canary_record(canary_x, contract),
                 "outputs": {k: v.tolist() for k, v in canary_y.items()},
                 # CPU servers run the exporter's own runtime; GPU servers get the stated GPU limit.
                 "tolerance": TOLERANCE[precision],

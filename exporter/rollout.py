@@ -28,7 +28,7 @@ import numpy as np
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from exporter.contract import INPUT_NAME, PROBABILITIES
+from exporter.contract import INPUT_NAME, NUMPY_DTYPES, PROBABILITIES
 from exporter.errors import PublishError, RolloutError
 from exporter.object_store import ObjectRepository, is_object_store_url, read_card
 from exporter.plans import build_from_card, server_refusal
@@ -59,12 +59,28 @@ def _ready_versions(client: httpclient.InferenceServerClient, name: str) -> list
     )
 
 
+def _canary_inputs(card: dict[str, Any]) -> list[httpclient.InferInput]:
+    """The card's recorded canary inputs as Triton inputs (format-1 cards hold one FP32 matrix)."""
+    recorded = card["canary"]["inputs"]
+    if recorded and not isinstance(recorded[0], dict):
+        recorded = [
+            {"name": INPUT_NAME, "datatype": "FP32", "shape": list(np.shape(recorded)), "data": recorded}
+        ]
+    out = []
+    for t in recorded:
+        x = np.asarray(t["data"], dtype=NUMPY_DTYPES[t["datatype"]]).reshape(t["shape"])
+        inp = httpclient.InferInput(t["name"], list(x.shape), t["datatype"])
+        inp.set_data_from_numpy(x, binary_data=True)
+        out.append(inp)
+    return out
+
+
 def _canary(client: httpclient.InferenceServerClient, name: str, version: int, card: dict[str, Any]) -> float:
-    x = np.asarray(card["canary"]["inputs"], dtype=np.float32)
-    inp = httpclient.InferInput(INPUT_NAME, list(x.shape), "FP32")
-    inp.set_data_from_numpy(x, binary_data=True)
     result = client.infer(
-        name, [inp], model_version=str(version), outputs=[httpclient.InferRequestedOutput(PROBABILITIES)]
+        name,
+        _canary_inputs(card),
+        model_version=str(version),
+        outputs=[httpclient.InferRequestedOutput(PROBABILITIES)],
     )
     got = result.as_numpy(PROBABILITIES)
     want = np.asarray(card["canary"]["outputs"][PROBABILITIES], dtype=np.float32)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel
 
-from exporter.contract import INPUT_NAME
+from exporter.contract import ServingContract
 from exporter.errors import TensorRTUnavailable
 from exporter.plans import (
     AMPERE,
@@ -100,7 +100,7 @@ def visible_capabilities() -> dict[str, tuple[int, str]]:
 def build_plans(
     onnx_path: Path,
     out_dir: Path,
-    n_features: int,
+    contract: ServingContract,
     max_batch: int,
     fp16: bool,
     timing_cache: Path,
@@ -136,7 +136,7 @@ def build_plans(
         major, minor = capability_tuple(cc)
         cache = timing_cache.with_name(f"{timing_cache.name}.sm{major}{minor}")
         with torch.cuda.device(device):
-            plan = build_plan(onnx_path, out_dir / filename, n_features, max_batch, fp16, cache, opts)
+            plan = build_plan(onnx_path, out_dir / filename, contract, max_batch, fp16, cache, opts)
             check(filename, plan)
         record.plans.append(PlanRecord(file=filename, gpu=gpu_name, compute_capability=cc))
     return record
@@ -145,7 +145,7 @@ def build_plans(
 def build_plan(
     onnx_path: Path,
     plan_path: Path,
-    n_features: int,
+    contract: ServingContract,
     max_batch: int,
     fp16: bool,
     timing_cache: Path,
@@ -179,8 +179,8 @@ def build_plan(
         logger.warning("TensorRT rejected the timing cache %s; building without it", timing_cache)
         config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
     profile = builder.create_optimization_profile()
-    opt = max(1, min(max_batch, 32))
-    profile.set_shape(INPUT_NAME, (1, n_features), (opt, n_features), (max_batch, n_features))
+    for name, (lo, opt, hi) in profile_shapes(contract, max_batch).items():
+        profile.set_shape(name, lo, opt, hi)
     config.add_optimization_profile(profile)
     plan = builder.build_serialized_network(network, config)
     if plan is None:
@@ -190,6 +190,33 @@ def build_plan(
     data = bytes(plan)
     plan_path.write_bytes(data)
     return data
+
+
+DEFAULT_DYNAMIC_RANGE = (1, 64, 512)
+
+
+def profile_shapes(
+    contract: ServingContract, max_batch: int
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """One optimisation profile (min, opt, max shapes per input, batch included).
+
+    Batch: 1, min(32, max), max. A dynamic dimension takes its (min, opt, max) from the training
+    data (the shortest, the median and the longest item, kept in the artifact), so the kernels
+    TensorRT picks are timed at the length most requests have.
+    """
+    opt_batch = max(1, min(max_batch, 32))
+    shapes = {}
+    for spec in contract.inputs:
+        ranges = iter(spec.ranges)
+        lo, opt, hi = [1], [opt_batch], [max_batch]
+        for d in spec.dims:
+            if d == -1:
+                r = next(ranges, DEFAULT_DYNAMIC_RANGE)
+                lo.append(r[0]), opt.append(r[1]), hi.append(r[2])
+            else:
+                lo.append(d), opt.append(d), hi.append(d)
+        shapes[spec.name] = (tuple(lo), tuple(opt), tuple(hi))
+    return shapes
 
 
 def tensorrt_runner(plan: bytes, version_compatible: bool = False) -> Any:
@@ -212,12 +239,18 @@ def tensorrt_runner(plan: bytes, version_compatible: bool = False) -> Any:
         trt.float16: torch.float16,
         trt.int64: torch.int64,
         trt.int32: torch.int32,
+        trt.uint8: torch.uint8,
+        trt.bool: torch.bool,
     }
+    input_names = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
 
-    def run(x: np.ndarray) -> dict[str, np.ndarray]:
-        inp = torch.from_numpy(x).cuda()
-        context.set_input_shape(INPUT_NAME, tuple(inp.shape))
-        context.set_tensor_address(INPUT_NAME, inp.data_ptr())
+    def run(xs: tuple[np.ndarray, ...]) -> dict[str, np.ndarray]:
+        held = []
+        for name, x in zip(input_names, xs, strict=True):
+            inp = torch.from_numpy(np.ascontiguousarray(x)).cuda()
+            held.append(inp)  # alive until the run completes
+            context.set_input_shape(name, tuple(inp.shape))
+            context.set_tensor_address(name, inp.data_ptr())
         bufs = {}
         for name in outputs:
             shape = tuple(context.get_tensor_shape(name))

@@ -21,7 +21,14 @@ LOCAL_PROFILE = "local"
 ServingBackend = Literal["onnxruntime", "tensorrt", "pytorch"]
 BACKENDS: tuple[str, ...] = ("onnxruntime", "tensorrt", "pytorch")
 MODEL_FILES = {"onnxruntime": "model.onnx", "tensorrt": "model.plan", "pytorch": "model.pt"}
-_DTYPES = {"FP32": mc.TYPE_FP32, "FP16": mc.TYPE_FP16, "INT64": mc.TYPE_INT64}
+_DTYPES = {
+    "FP32": mc.TYPE_FP32,
+    "FP16": mc.TYPE_FP16,
+    "INT64": mc.TYPE_INT64,
+    "INT32": mc.TYPE_INT32,
+    "UINT8": mc.TYPE_UINT8,
+    "BOOL": mc.TYPE_BOOL,
+}
 
 
 class ConfigOptions(BaseModel):
@@ -66,9 +73,14 @@ def _common(name: str, contract: ServingContract, opts: ConfigOptions) -> mc.Mod
     cfg.version_policy.latest.num_versions = opts.keep_versions
     warm = cfg.model_warmup.add(name="random_batch", batch_size=min(opts.warmup_batch, opts.max_batch_size))
     for spec in contract.inputs:
+        # Warm-up needs concrete dims: a dynamic one takes the typical (median) training length.
+        typical = iter(r[1] for r in spec.ranges)
         warm.inputs[spec.name].data_type = _DTYPES[spec.triton_dtype]
-        warm.inputs[spec.name].dims.extend(spec.dims)
-        warm.inputs[spec.name].random_data = True
+        warm.inputs[spec.name].dims.extend(next(typical, 8) if d == -1 else d for d in spec.dims)
+        if spec.triton_dtype in ("FP32", "FP16", "UINT8"):
+            warm.inputs[spec.name].random_data = True
+        else:  # random ids could fall outside an embedding; zeros are padding, valid for any model
+            warm.inputs[spec.name].zero_data = True
     if opts.response_cache:
         cfg.response_cache.enable = True
     return cfg

@@ -180,10 +180,10 @@ def run_check(work: Path) -> list[Step]:
         TF32_TOLERANCE,
         compare,
         onnxruntime_runner,
-        parity_rows,
         require,
         torch_runner,
         torchscript_runner,
+        validation_batches,
     )
     from training.artifact import load_model
     from training.synth import SynthSpec, write
@@ -243,7 +243,7 @@ def run_check(work: Path) -> list[Step]:
     check.step("tensorrt fp16 plan", lambda: plan("fp16"))
     model, meta = load_model(artifact)
     reference = torch_runner(ServingModule(model))
-    rows = parity_rows(meta, None, 64)
+    rows = validation_batches(meta, 64)
 
     def torchscript() -> dict[str, Any]:
         check.cli(*torchscript_args(artifact, repo, "ts"), limit_s=120)

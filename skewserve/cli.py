@@ -180,17 +180,21 @@ def data_inspect(
     """Validate a data set as training would, and show each split's class counts and imbalance."""
     import numpy as np
 
-    from training.data import load_data_dir
+    from training.data_source import open_data
     from training.errors import DataError
 
     try:
-        ds = load_data_dir(data, label)
+        ds = open_data(data, label)
     except DataError as exc:
         error(exc)
         raise typer.Exit(1) from exc
-    splits = {"train": ds.train, "val": ds.val, **({"test": ds.test} if ds.test is not None else {})}
+    splits = ds.splits()
     # A line of its own, not the table's title: a title wraps to the table's width and cuts the path.
-    say(f"{data}: {len(ds.feature_names)} features, {len(ds.classes)} classes")
+    inputs = ", ".join(f"{i.name} {i.dtype} {list(i.shape)}" for i in ds.spec.inputs)
+    if ds.spec.kind == "table":
+        say(f"{data}: {ds.spec.inputs[0].shape[0]} features, {len(ds.classes)} classes")
+    else:
+        say(f"{data}: {ds.spec.kind}, inputs {inputs}, {len(ds.classes)} classes")
     table = Table()
     table.add_column("class")
     for name in splits:
@@ -199,6 +203,8 @@ def data_inspect(
     for i, cls in enumerate(ds.classes):
         table.add_row(text(cls), *(str(int(c[i])) for c in counts.values()))
     console.print(table)
+    for note in ds.warnings:
+        notice(note, "warning")
     train = counts["train"]
     say(
         f"training imbalance ratio (largest/smallest class): {train.max() / max(1, train.min()):.1f}; data hash {ds.data_hash[:12]}"
@@ -207,9 +213,40 @@ def data_inspect(
 
 @app.command("train")
 def train_command(
-    data: Path = typer.Option(..., "--data", help="Directory with train/val[/test] .parquet or .csv."),
+    data: Path = typer.Option(
+        ...,
+        "--data",
+        help="train/val[/test] .parquet or .csv (tables), train/<class>/<images> (image folders), or "
+        "train/labels.npy + <input>.npy (tensor shards); README, 'Bring your own data'.",
+    ),
     out: Path = typer.Option(Path("runs/artifact"), "--out", help="Artifact directory (checkpoints inside)."),
     label: str = typer.Option("label", "--label"),
+    model: str = typer.Option(
+        "mlp",
+        "--model",
+        help="Built-in family (mlp: tables; cnn: images; text: token ids) or your own MODULE:FACTORY "
+        "(or path/to/file.py:FACTORY); README, 'Your own model'.",
+    ),
+    model_arg: list[str] = typer.Option(
+        [], "--model-arg", help="KEY=VALUE passed to the model factory (repeatable), e.g. width=64."
+    ),
+    image_size: int | None = typer.Option(
+        None, "--image-size", min=1, help="Images: resize to SIZE x SIZE (default: the most common size)."
+    ),
+    channels: int | None = typer.Option(
+        None, "--channels", help="Images: 1 (grey) or 3 (RGB); default: 1 if all grey."
+    ),
+    augment: bool = typer.Option(
+        True, "--augment/--no-augment", help="Images: random-shift augmentation in training."
+    ),
+    skip_bad_files: bool = typer.Option(
+        False, "--skip-bad-files", help="Images: skip (and count) unreadable files instead of failing."
+    ),
+    data_workers: str = typer.Option(
+        "auto",
+        "--data-workers",
+        help="DataLoader workers per rank; auto: 0 for tables, else min(4, cores/rank).",
+    ),
     nproc: int = typer.Option(
         1, "--nproc", min=1, help="Ranks per node; >1 launches torchrun (gloo on CPU, NCCL on CUDA)."
     ),
@@ -294,7 +331,7 @@ def train_command(
         "all-reduce waits, imbalance, gradient norm).",
     ),
 ) -> None:
-    """Train a skew-balanced MLP and write an artifact directory (weights, metadata.json, metrics.json)."""
+    """Train a skew-balanced model (built-in family or your own factory) and write an artifact directory."""
     from pydantic import ValidationError
 
     if metrics_port is not None:
@@ -304,6 +341,7 @@ def train_command(
 
     from training.config import TrainConfig
     from training.errors import TrainingError
+    from training.factory import parse_model_args
     from training.launch import train
 
     _setup_logging(False)
@@ -312,6 +350,13 @@ def train_command(
             data_dir=data,
             out_dir=out,
             label_column=label,
+            model=model,
+            model_args=parse_model_args(model_arg),
+            image_size=image_size,
+            channels=channels,
+            augment=augment,
+            skip_bad_files=skip_bad_files,
+            data_workers=data_workers,  # type: ignore[arg-type]  # "auto" or a count, pydantic validates
             nproc=nproc,
             nnodes=nnodes,
             node_rank=node_rank,

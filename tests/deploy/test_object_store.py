@@ -66,7 +66,7 @@ def test_publish_twice_gives_next_version_with_configs_naming_complete_versions(
     # keep_versions=2 (the exporter's `latest { num_versions: 2 }`) resolved to complete versions
     assert _pinned(client, repo) == [1, 2] and _pinned(client, repo, "configs/local.pbtxt") == [1, 2]
     v1 = _objects(client, repo, NAME, 1)
-    assert set(v1) == {"model.onnx", "model.py", "model_card.json"}
+    assert set(v1) == {"batching.py", "model.onnx", "model.py", "model_card.json"}
     card = json.loads(
         client.get_object(Bucket=repo.bucket, Key=repo.key(NAME, 1, "model_card.json"))["Body"].read()
     )

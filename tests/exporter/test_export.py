@@ -109,7 +109,7 @@ def load_model_classes(repo: Path) -> list[str]:
 
 
 def test_config_options_reach_the_config() -> None:
-    contract = ServingContract(n_features=3, classes=("a", "b"), feature_names=("x", "y", "z"))
+    contract = ServingContract.table(3, ("a", "b"))
     opts = ConfigOptions(
         max_batch_size=16,
         preferred_batch_sizes=[4, 32],
@@ -134,11 +134,11 @@ def test_parity_failure_refuses_with_figures(small_artifact: Path) -> None:
     model, _ = load_model(small_artifact)
     ref = torch_runner(ServingModule(model))
 
-    def skewed(x: np.ndarray) -> dict[str, np.ndarray]:
+    def skewed(x: tuple[np.ndarray, ...]) -> dict[str, np.ndarray]:
         out = ref(x)
         return out | {"probabilities": out["probabilities"] + 1e-3}
 
-    report = compare(ref, skewed, [_rows(4)], "onnxruntime", "fp32")
+    report = compare(ref, skewed, [(_rows(4),)], "onnxruntime", "fp32")
     with pytest.raises(
         ParityError, match=r"parity failed for onnxruntime fp32: max \|Δp\| 1.00e-03 \(limit 1e-04\)"
     ):

@@ -19,10 +19,10 @@ from exporter.parity import (
     TOLERANCE,
     compare,
     onnxruntime_runner,
-    parity_rows,
     require,
     torch_runner,
     torchscript_runner,
+    validation_batches,
 )
 from exporter.pipeline import export_artifact
 from exporter.triton_config import parse
@@ -85,7 +85,7 @@ def test_torchscript_on_cuda_matches_pytorch(small_artifact: Path, tmp_path: Pat
     model, meta = load_model(small_artifact)
     reference = torch_runner(ServingModule(model))
     on_cuda = torchscript_runner(str(result.published.path / "model.pt"), device="cuda")
-    report = require(compare(reference, on_cuda, parity_rows(meta, None, 64), "torchscript cuda", "fp32"))
+    report = require(compare(reference, on_cuda, validation_batches(meta, 64), "torchscript cuda", "fp32"))
     assert report.max_abs_error_probabilities <= TOLERANCE["fp32"]
 
 
@@ -98,6 +98,6 @@ def test_onnxruntime_cuda_provider_matches_pytorch_within_the_tf32_limit(
     ort_cuda = onnxruntime_runner(
         (result.published.path / "model.onnx").read_bytes(), "CUDAExecutionProvider"
     )
-    rows = parity_rows(meta, None, 64)
+    rows = validation_batches(meta, 64)
     report = require(compare(reference, ort_cuda, rows, "onnxruntime cuda", "fp32", TF32_TOLERANCE))
     assert np.isfinite(report.max_abs_error_probabilities)

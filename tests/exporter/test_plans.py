@@ -26,7 +26,7 @@ from exporter.target import TARGET
 from exporter.tensorrt_build import TensorRTOptions, check_builder_version
 from exporter.triton_config import ConfigOptions, gpu_config, local_config, render, required_files
 
-CONTRACT = ServingContract(n_features=3, classes=("a", "b"), feature_names=("x", "y", "z"))
+CONTRACT = ServingContract.table(3, ("a", "b"))
 
 
 def _schema_parse(text: str) -> mc.ModelConfig:
