@@ -54,6 +54,7 @@ class ExportResult:
     parity: list[ParityReport]
     tensorrt: bool
     notices: list[str] = field(default_factory=list)
+    raw_models: list[Published] = field(default_factory=list)  # <name>_preprocess and <name>_raw
 
 
 def _parity_batches(
@@ -297,6 +298,9 @@ def export_artifact(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    from exporter.raw_inputs import publish_raw_models
+
+    raw_models = publish_raw_models(Path(repo), name, published.version, meta, contract, opts)
     if not use_trt and tensorrt == "auto" and fmt == "onnx" and not notices and opts.ort_tensorrt == "off":
         notices.append("TensorRT plan skipped (no GPU / tensorrt here)")
-    return ExportResult(published, reports, use_trt, notices)
+    return ExportResult(published, reports, use_trt, notices, raw_models)

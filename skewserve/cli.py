@@ -172,6 +172,38 @@ def data_synth(
     say(f"training class sizes: {sizes} (ratio {sizes[0] / sizes[-1]:.0f})")
 
 
+@data_app.command("digits")
+def data_digits(
+    out: Path = typer.Option(
+        Path("runs/digits"), "--out", help="Directory for train/val/test image folders."
+    ),
+    imbalance_ratio: float = typer.Option(50.0, "--imbalance-ratio", help="max/min training class count."),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """scikit-learn's digits (8x8, shipped with it) as long-tailed PNG class folders, CIFAR-LT style."""
+    from training.datasets_builtin import write_digits_lt
+
+    counts = write_digits_lt(out, imbalance_ratio, seed=seed)
+    say(f"wrote {out}/train, val, test (PNG, one folder per class)")
+    say(f"training class sizes: {sorted(counts['train'], reverse=True)}; val and test balanced")
+
+
+@data_app.command("topics")
+def data_topics(
+    out: Path = typer.Option(
+        Path("runs/topics"), "--out", help="Directory for train/val/test tensor shards."
+    ),
+    imbalance_ratio: float = typer.Option(20.0, "--imbalance-ratio", help="max/min training class count."),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Generated long-tailed topic classification text as token-id shards with vocab.txt."""
+    from training.datasets_builtin import write_topics_lt
+
+    sizes = write_topics_lt(out, ratio=imbalance_ratio, seed=seed)
+    say(f"wrote {out}/train, val, test (tokens.npy, tokens.lengths.npy, labels.npy), vocab.txt, classes.txt")
+    say(f"training class sizes: {sizes['train']}; val and test balanced")
+
+
 @data_app.command("inspect")
 def data_inspect(
     data: Path = typer.Option(..., "--data", help="Directory with train/val[/test] .parquet or .csv."),
@@ -518,6 +550,13 @@ def export_command(
         else result.published.path
     )
     say(f"published {result.published.name} version {result.published.version} at {where}")
+    for raw in result.raw_models:
+        say(f"published {raw.name} version {raw.version} at {raw.path}")
+    if result.raw_models:
+        say(
+            f"raw inputs: call {name}_raw with input 'raw' (BYTES, one encoded image or UTF-8 text per row); "
+            f"{name} takes tensors"
+        )
 
 
 @app.command("rollout")
@@ -669,6 +708,12 @@ def up_command(
         ..., "--config", help="Stack config: model repository, regions, gateway settings."
     ),
     log_dir: Path = typer.Option(Path("runs/stack-logs"), "--log-dir"),
+    repo: Path | None = typer.Option(
+        None,
+        "--repo",
+        help="Model repository to serve, overriding the config's `repository` (which is read relative "
+        "to the config file's folder).",
+    ),
     response_cache_mb: int | None = typer.Option(
         None,
         "--response-cache-mb",
@@ -694,6 +739,13 @@ def up_command(
     except StackConfigError as exc:
         error(exc)
         raise typer.Exit(2) from exc
+    if repo is not None:
+        if not repo.is_dir():
+            error(
+                f"--repo {repo} is not a folder; export a model into it first (skewserve export --repo {repo})"
+            )
+            raise typer.Exit(2)
+        stack_cfg = stack_cfg.model_copy(update={"repository": repo.resolve()})
     if response_cache_mb is not None:
         stack_cfg = stack_cfg.model_copy(update={"response_cache_mb": response_cache_mb})
     if autoscale and stack_cfg.autoscale is None:
@@ -710,6 +762,7 @@ def up_command(
         raise typer.Exit(1) from exc
     try:
         print_stack(stack)
+        say(f"model repository {stack_cfg.repository}")
         say("serving; press Ctrl-C to stop")
         wait_for_interrupt()
     finally:

@@ -64,7 +64,7 @@ def test_torchscript_parity_gate_refuses_a_module_that_differs(small_artifact: P
     path = tmp_path / "model.pt"
     torch.jit.trace(module, (torch.zeros(2, 8),)).save(str(path))
     reference = torch_runner(module)
-    rows = [np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)]
+    rows = [(np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32),)]
     assert require(compare(reference, torchscript_runner(str(path)), rows, "torchscript", "fp32")).passed
     skewed = torch.jit.load(str(path))
     with torch.no_grad():
