@@ -29,7 +29,12 @@ def test_torchscript_version_served_by_tritonserver_equals_pytorch(
     assert [(r.target, r.precision, r.passed) for r in result.parity] == [("torchscript", "fp32", True)]
     assert result.parity[0].max_abs_error_probabilities <= 1e-4
     version_dir = result.published.path
-    assert sorted(p.name for p in version_dir.iterdir()) == ["batching.py", "model.pt", "model.py", "model_card.json"]
+    assert sorted(p.name for p in version_dir.iterdir()) == [
+        "batching.py",
+        "model.pt",
+        "model.py",
+        "model_card.json",
+    ]
     gpu = parse((repo / "ts" / "config.pbtxt").read_text())
     assert gpu.platform == "pytorch_libtorch" and gpu.default_model_filename == "model.pt"
     card = json.loads((version_dir / "model_card.json").read_text())
