@@ -11,7 +11,10 @@ Prints three tables from one run:
    LogisticRegression(class_weight="balanced") as an outside reference;
 2. two torchrun ranks with rank 1 slowed 2x: epoch wall time and imbalance ratio with rank-speed
    balancing off and on.
-Usage: python benchmarks/training_bench.py [--quick] [--only defaults|quality|balance]
+3. built-in families: `cnn` and `mlp` defaults on scikit-learn's digits as long-tailed 8x8 image
+   folders (ratio 50, balanced test split), `text` on the generated topics set, each against
+   class-weighted logistic regression on the same split; the cnn's data wait share per step.
+Usage: python benchmarks/training_bench.py [--quick] [--only defaults|quality|balance|families]
 """
 
 from __future__ import annotations
@@ -237,14 +240,96 @@ def balance(work: Path, epochs: int) -> None:
     print(f"\nspeed-up with balancing: {walls[False] / walls[True]:.2f}x")
 
 
+def _bacc_reference(
+    x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray, classes: list[str]
+) -> float:
+    from sklearn.linear_model import LogisticRegression
+
+    clf = LogisticRegression(class_weight="balanced", max_iter=3000).fit(x_train, y_train)
+    return float(classification_report(y_test, clf.predict(x_test), classes)["balanced_accuracy"])
+
+
+def _split_arrays(ds: Any, split: str) -> tuple[np.ndarray, np.ndarray]:
+    from training.datasets import SplitDataset
+
+    part = getattr(ds, split)
+    inputs, labels = SplitDataset(part, ds.spec).__getitems__(list(range(len(part))))
+    return inputs[0].numpy(), labels.numpy()
+
+
+def families(work: Path, seeds: list[int]) -> None:
+    """Built-in families on real long-tailed images and on generated text, against class-weighted
+    logistic regression on the same split (flattened pixels / bag of words), with default settings."""
+    from training.data_source import open_data
+    from training.datasets_builtin import write_digits_lt, write_topics_lt
+
+    rows: dict[str, list[float]] = {}
+    data_wait: list[float] = []
+    for seed in seeds:
+        d = work / f"digits-lt-{seed}"
+        write_digits_lt(d, ratio=50.0, seed=seed)
+        ds = open_data(d, augment=False)
+        xtr, ytr = _split_arrays(ds, "train")
+        xte, yte = _split_arrays(ds, "test")
+        rows.setdefault("digits-LT: logistic regression (balanced), pixels", []).append(
+            _bacc_reference(
+                xtr.reshape(len(xtr), -1) / 255.0, ytr, xte.reshape(len(xte), -1) / 255.0, yte, ds.classes
+            )
+        )
+        for model in ("cnn", "mlp"):
+            out = work / f"digits-{model}-{seed}"
+            meta = train(TrainConfig(data_dir=d, out_dir=out, model=model, seed=seed, progress=False))
+            rows.setdefault(f"digits-LT: {model} (defaults)", []).append(
+                meta["metrics"]["test"]["balanced_accuracy"]
+            )
+            if model == "cnn":
+                epochs = [
+                    json.loads(line)
+                    for line in (out / "checkpoints" / "monitor-epochs.jsonl").read_text().splitlines()
+                ]
+                wait = sum(e["data_wait_s_per_step"][0] * e["steps"] for e in epochs)
+                busy = sum(e["busy_s_per_step"][0] * e["steps"] for e in epochs)
+                data_wait.append(wait / busy)
+        t = work / f"topics-{seed}"
+        write_topics_lt(t, seed=seed)
+        tds = open_data(t)
+        (ttr, ytr), (tte, yte) = _split_arrays(tds, "train"), _split_arrays(tds, "test")
+        vocab = len(tds.spec.preprocessing["vocab"]) + 2
+
+        def bag(tokens: np.ndarray, vocab: int = vocab) -> np.ndarray:
+            out = np.zeros((len(tokens), vocab), dtype=np.float32)
+            for i, row in enumerate(tokens):
+                np.add.at(out[i], row[row > 0], 1.0)
+            return out
+
+        rows.setdefault("topics-LT: logistic regression (balanced), bag of words", []).append(
+            _bacc_reference(bag(ttr), ytr, bag(tte), yte, tds.classes)
+        )
+        meta = train(
+            TrainConfig(
+                data_dir=t, out_dir=work / f"topics-text-{seed}", model="text", seed=seed, progress=False
+            )
+        )
+        rows.setdefault("topics-LT: text (defaults)", []).append(meta["metrics"]["test"]["balanced_accuracy"])
+    print(f"\nbuilt-in families, test balanced accuracy, {len(seeds)} seeds (mean ± std):")
+    for name, values in rows.items():
+        print(f"  {name:58s} {np.mean(values):.4f} ± {np.std(values):.4f}")
+    print(
+        f"  cnn data wait / busy time per step (image folders, default workers): {100 * np.mean(data_wait):.1f}%"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="one seed, fewer epochs")
-    parser.add_argument("--only", choices=["defaults", "quality", "balance"], help="run one part")
+    parser.add_argument("--only", choices=["defaults", "quality", "balance", "families"], help="run one part")
     parser.add_argument(
         "--seeds", default="0,1,2", help="comma-separated seeds of the defaults table (3,4,5 were held out)"
+    )
+    parser.add_argument(
+        "--family-seeds", default="0,1,2,3,4,5,6,7,8", help="comma-separated seeds of the families table"
     )
     args = parser.parse_args()
     import os
@@ -262,6 +347,9 @@ def main() -> None:
             quality(work, epochs=15 if args.quick else 40, seeds=[0] if args.quick else [0, 1, 2])
         if args.only in (None, "balance"):
             balance(work, epochs=3 if args.quick else 6)
+        if args.only in (None, "families"):
+            n = [int(x) for x in args.family_seeds.split(",")]
+            families(work, n[:1] if args.quick else n)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,14 @@ def train_args(data: Path, out: Path, precision: str) -> list[str]:
     ]  # fmt: skip
 
 
+def cnn_args(data: Path, out: Path) -> list[str]:
+    """The cnn family on digits-LT image folders: AMP, DataLoader workers, pinned async copies."""
+    return [
+        "train", "--data", str(data), "--out", str(out), "--model", "cnn", "--nproc", "1",
+        "--device", "cuda", "--max-steps", "300",
+    ]  # fmt: skip
+
+
 def plan_args(artifact: Path, repo: Path, name: str, precision: str) -> list[str]:
     return [
         "export", "--artifact", str(artifact), "--repo", str(repo), "--name", name,
@@ -220,6 +228,27 @@ def run_check(work: Path) -> list[Step]:
             Step("train cuda bf16 (1 rank)", True, 0.0, detail="GPU has no bf16: not applicable")
         )
     check.step("train cuda fp16 (1 rank)", lambda: train("fp16"))
+
+    def cnn() -> dict[str, Any]:
+        from training.datasets_builtin import write_digits_lt
+
+        images, out = work / "digits", work / "artifact-cnn"
+        write_digits_lt(images)
+        check.cli(*cnn_args(images, out), limit_s=180)
+        meta = json.loads((out / "metadata.json").read_text())
+        epochs = [
+            json.loads(x) for x in (out / "checkpoints" / "monitor-epochs.jsonl").read_text().splitlines()
+        ]
+        wait = sum(e["data_wait_s_per_step"][0] * e["steps"] for e in epochs)
+        busy = sum(e["busy_s_per_step"][0] * e["steps"] for e in epochs)
+        check.cli(*plan_args(out, work / "repo", "digits_trt", "fp16"), limit_s=180)
+        return {
+            "precision": meta["provenance"]["precision"],
+            "test_balanced_acc": round(float(meta["metrics"]["test"]["balanced_accuracy"]), 3),
+            "data_wait_share": f"{100 * wait / max(busy, 1e-9):.1f}%",
+        }
+
+    check.step("train cuda cnn on image folders + fp16 plan", cnn)
     artifact = artifacts.get("fp16") or artifacts.get("bf16")
     if artifact is None:
         return check.steps

@@ -145,8 +145,12 @@ def evaluate(
     """Metrics of `model` on a whole split, read in order through a DataLoader (workers decode)."""
     n = len(dataset)
     batches = [list(range(i, min(n, i + EVAL_BATCH))) for i in range(0, n, EVAL_BATCH)]
+    # Worker processes pay off only on a split of several batches: a small one reads faster in-process.
     loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=batches, collate_fn=identity_collate, num_workers=workers
+        dataset,
+        batch_sampler=batches,
+        collate_fn=identity_collate,
+        num_workers=workers if len(batches) > 4 else 0,
     )
     preds = []
     model.eval()

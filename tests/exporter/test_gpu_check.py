@@ -88,6 +88,7 @@ def test_the_commands_it_runs_exist_with_those_options(tmp_path: Path) -> None:
         gpu.train_args(tmp_path, tmp_path / "o", "bf16"),
         gpu.plan_args(tmp_path, tmp_path, "m", "fp32"),
         gpu.torchscript_args(tmp_path, tmp_path, "ts"),
+        gpu.cnn_args(tmp_path, tmp_path / "c"),
     ):
         command = group.commands[args[0]]
         known = {opt for p in command.params for opt in p.opts}
