@@ -348,6 +348,8 @@ class Gateway:
         part of the coalescing key only, so a follower never shares a route it did not ask for.
         """
         assert self.cache is not None
+        if pinned is not None:
+            self.router.check_pin(pinned)  # a bad pin is a 400 whether or not the answer is cached
         stored = await self.cache_lookup(key, model)
         if stored is not None:
             return decode(stored), "hit"

@@ -426,6 +426,8 @@ class GrpcFront:
         attempt: Any,
     ) -> tuple[bytes, Any, str]:
         gw = self.gw
+        if pinned is not None:
+            gw.router.check_pin(pinned)  # before the exact-bytes alias lookup below
         request_id = req.id
         resolved = version or gw.router.latest_version(model)
         alias = None

@@ -239,6 +239,8 @@ class HttpFront:
                     )
             alias = resolved = None
             if gw.cache_enabled(model):
+                if pinned is not None:
+                    gw.router.check_pin(pinned)  # a bad pin is a 400 whether or not the answer is cached
                 # Once per request: the alias and the key must name the same version.
                 resolved = version or gw.router.latest_version(model)
             if resolved is not None and encoding is None and len(body) < OFF_LOOP_BYTES:

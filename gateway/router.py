@@ -99,6 +99,13 @@ class RegionRouter:
         others = sorted((r for r in self.regions.values() if r.name != self.home), key=lambda r: r.rtt_s())
         return [home, *others]
 
+    def check_pin(self, pinned: str) -> Region:
+        """The region a client pinned; BadRequest when it does not exist (checked before any cache)."""
+        region = self.regions.get(pinned)
+        if region is None:
+            raise BadRequest(f"pinned region {pinned!r} does not exist; regions are {sorted(self.regions)}")
+        return region
+
     def route(
         self,
         model: str,
@@ -109,12 +116,7 @@ class RegionRouter:
     ) -> Route:
         now = self.clock()
         if pinned is not None:
-            region = self.regions.get(pinned)
-            if region is None:
-                raise BadRequest(
-                    f"pinned region {pinned!r} does not exist; regions are {sorted(self.regions)}"
-                )
-            order = [region]
+            order = [self.check_pin(pinned)]
         else:
             order = self.region_order()
         fallback: tuple[Region, list[UpstreamServer]] | None = None

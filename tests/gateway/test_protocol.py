@@ -240,3 +240,23 @@ def test_malformed_binary_header_length_is_a_400(shared_gateway) -> None:
         json.loads(info.value.read())["error"]
         == "Inference-Header-Content-Length must be an integer, got 'ten'"
     )
+
+
+def test_an_invalid_region_pin_is_refused_even_when_the_answer_is_cached(shared_gateway) -> None:
+    """Issue 25 item 6: the pin is validated before the cache, on both fronts."""
+    body = json.dumps(
+        {"inputs": [{"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.25] * 8}]}
+    ).encode()
+    url = f"http://{shared_gateway.http}/v2/models/lt/infer"
+    for _ in range(2):  # the second is a cache hit
+        with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=10) as r:
+            assert r.status == 200
+    pinned = urllib.request.Request(url, data=body, headers={"x-skewserve-region": "mars"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(pinned, timeout=10)
+    assert err.value.code == 400
+    assert "pinned region 'mars' does not exist" in err.value.read().decode()
+    _grpc_infer(shared_gateway.grpc, "lt")
+    _grpc_infer(shared_gateway.grpc, "lt")
+    with pytest.raises(InferenceServerException, match="pinned region 'mars' does not exist"):
+        _grpc_infer(shared_gateway.grpc, "lt", headers={"x-skewserve-region": "mars"})
