@@ -42,8 +42,9 @@ class _HttpUser(FastHttpUser, _Mixed):
 
     @task
     def infer(self) -> None:
-        model, _, row, region = self._mix().draw()
-        body, headers = self.encode(row)
+        mix = self._mix()
+        model, _, row, region = mix.draw()
+        body, headers = self.encode(mix.tensors(row))
         if region:
             headers[REGION_HEADER] = region
         with self.client.post(
@@ -88,14 +89,18 @@ class GrpcUser(User, _Mixed):
 
     @task
     def infer(self) -> None:
-        model, _, row, region = self._mix().draw()
-        inp = grpcclient.InferInput("features", list(row.shape), "FP32")
-        inp.set_data_from_numpy(row)
+        mix = self._mix()
+        model, _, row, region = mix.draw()
+        inputs = []
+        for name, datatype, x in mix.tensors(row):
+            inp = grpcclient.InferInput(name, list(x.shape), datatype)
+            inp.set_data_from_numpy(x)
+            inputs.append(inp)
         started = time.perf_counter()
         exc: Exception | None = None
         length = 0
         try:
-            result = self.grpc.infer(model, [inp], headers={REGION_HEADER: region} if region else None)
+            result = self.grpc.infer(model, inputs, headers={REGION_HEADER: region} if region else None)
             length = result.get_response().ByteSize()
         except Exception as e:  # reported to locust as a failure, never swallowed
             exc = e

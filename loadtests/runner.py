@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtests.mix import MixSettings
+from loadtests.mix import InputDesc, MixSettings
 from loadtests.report import RowStats, Slo, check_slo, plot_history, read_stats
 from loadtests.shapes import SHAPES
 
@@ -146,19 +146,22 @@ def run_loadtest(spec: LoadTestSpec) -> LoadTestResult:
     )
 
 
-def model_feature_count(target: str, protocol: str, model: str) -> int:
-    """Ask the endpoint for the model's input width (dims after the batch axis)."""
+def model_inputs(target: str, protocol: str, model: str) -> tuple[InputDesc, ...]:
+    """The model's inputs as the endpoint serves them: name, datatype, per-item shape (-1 dynamic)."""
     if protocol == "grpc":
         import tritonclient.grpc as grpcclient
 
-        meta = grpcclient.InferenceServerClient(target.removeprefix("grpc://")).get_model_metadata(
-            model, as_json=True
-        )
+        client = grpcclient.InferenceServerClient(target.removeprefix("grpc://"))
+        meta = client.get_model_metadata(model, as_json=True)
+        batched = int(client.get_model_config(model, as_json=True)["config"].get("max_batch_size", 0)) > 0
     else:
         import tritonclient.http as httpclient
 
-        meta = httpclient.InferenceServerClient(
-            target.removeprefix("http://").removeprefix("https://")
-        ).get_model_metadata(model)
-    shape = [int(d) for d in meta["inputs"][0]["shape"]]
-    return shape[-1]
+        client = httpclient.InferenceServerClient(target.removeprefix("http://").removeprefix("https://"))
+        meta = client.get_model_metadata(model)
+        batched = int(client.get_model_config(model).get("max_batch_size", 0)) > 0
+    out = []
+    for inp in meta["inputs"]:
+        shape = tuple(int(d) for d in inp["shape"])
+        out.append((str(inp["name"]), str(inp["datatype"]), shape[1:] if batched else shape))
+    return tuple(out)

@@ -3,34 +3,59 @@
 from __future__ import annotations
 
 import json
+import struct
 
 import numpy as np
 
 INPUT = "features"
+Tensors = tuple[tuple[str, str, np.ndarray], ...]  # (name, Triton datatype, batched array)
 
 
-def json_request(row: np.ndarray) -> tuple[bytes, dict[str, str]]:
+def _tensors(row: np.ndarray | Tensors) -> Tensors:
+    if isinstance(row, np.ndarray):  # the table contract: one FP32 `features`
+        return ((INPUT, "FP32", row),)
+    return row
+
+
+def _json_data(datatype: str, x: np.ndarray) -> list:
+    if datatype == "BYTES":
+        try:
+            return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in x.ravel()]
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                "binary BYTES (encoded images) cannot travel as JSON: use --protocol http-binary or grpc"
+            ) from exc
+    return x.ravel().tolist()
+
+
+def json_request(row: np.ndarray | Tensors) -> tuple[bytes, dict[str, str]]:
     body = {
         "inputs": [
-            {"name": INPUT, "shape": list(row.shape), "datatype": "FP32", "data": row.ravel().tolist()}
+            {"name": n, "shape": list(x.shape), "datatype": d, "data": _json_data(d, x)}
+            for n, d, x in _tensors(row)
         ]
     }
     return json.dumps(body).encode(), {"Content-Type": "application/json"}
 
 
+def tensor_bytes(datatype: str, x: np.ndarray) -> bytes:
+    """The binary tensor extension's bytes: raw little-endian values; BYTES items length-prefixed."""
+    if datatype == "BYTES":
+        return b"".join(struct.pack("<I", len(v)) + v for v in (bytes(v) for v in x.ravel()))
+    return np.ascontiguousarray(x).tobytes()
+
+
 def binary_request(
-    row: np.ndarray, outputs: tuple[str, ...] = ("probabilities", "label")
+    row: np.ndarray | Tensors, outputs: tuple[str, ...] = ("probabilities", "label")
 ) -> tuple[bytes, dict[str, str]]:
-    """JSON header + raw FP32 bytes, outputs asked for in binary too (`Inference-Header-Content-Length`)."""
+    """JSON header + raw tensor bytes, outputs asked for in binary too (`Inference-Header-Content-Length`)."""
+    tensors = _tensors(row)
+    payloads = [tensor_bytes(d, x) for _, d, x in tensors]
     header = json.dumps(
         {
             "inputs": [
-                {
-                    "name": INPUT,
-                    "shape": list(row.shape),
-                    "datatype": "FP32",
-                    "parameters": {"binary_data_size": row.nbytes},
-                }
+                {"name": n, "shape": list(x.shape), "datatype": d, "parameters": {"binary_data_size": len(b)}}
+                for (n, d, x), b in zip(tensors, payloads, strict=True)
             ],
             "outputs": [{"name": name, "parameters": {"binary_data": True}} for name in outputs],
         }
@@ -39,4 +64,4 @@ def binary_request(
         "Inference-Header-Content-Length": str(len(header)),
         "Content-Type": "application/octet-stream",
     }
-    return header + np.ascontiguousarray(row, dtype=np.float32).tobytes(), headers
+    return header + b"".join(payloads), headers

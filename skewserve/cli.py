@@ -831,16 +831,27 @@ def loadtest_command(
         None, "--slo", help="YAML with p95_ms, p99_ms, error_rate; breach = exit 1."
     ),
     out: Path = typer.Option(Path("runs/loadtest"), "--out"),
+    samples: Path | None = typer.Option(
+        None,
+        "--samples",
+        help="Data directory to draw real requests from (its val/ split): tensors for a tensor model, "
+        "encoded images or text for a <model>_raw ensemble; default: synthetic tensors.",
+    ),
 ) -> None:
     """Run a bounded locust load with skewed traffic; write CSV, HTML and PNG; gate on an SLO file."""
     from loadtests.mix import MixSettings
     from loadtests.report import load_slo
-    from loadtests.runner import LoadTestSpec, model_feature_count, parse_duration, run_loadtest
+    from loadtests.runner import LoadTestSpec, model_inputs, parse_duration, run_loadtest
 
     try:
         slo_bounds = load_slo(slo) if slo else None
         seconds = parse_duration(duration)
-        features = model_feature_count(target, protocol, model)
+        inputs = model_inputs(target, protocol, model)
+        if protocol == "http" and any(d == "BYTES" for _, d, _ in inputs) and samples is not None:
+            raise ValueError(
+                f"{model} takes BYTES (raw images or text), which JSON cannot carry as bytes: "
+                "use --protocol http-binary or grpc"
+            )
         spec = LoadTestSpec(
             target=target,
             protocol=protocol,
@@ -853,7 +864,8 @@ def loadtest_command(
             slo=slo_bounds,
             mix=MixSettings(
                 model=model,
-                n_features=features,
+                inputs=inputs,
+                samples=str(samples.resolve()) if samples is not None else "",
                 keys=keys,
                 zipf_s=zipf,
                 cold_model=cold_model,

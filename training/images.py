@@ -28,6 +28,11 @@ EXTENSIONS = {".png", ".jpg", ".jpeg"}
 STATS_SAMPLE = 256  # images decoded to estimate the per-channel mean and std
 
 
+# Decoded images each DataLoader worker keeps: a small data set is decoded once per worker, not
+# once per epoch; a large one streams (the cache stops growing at this many bytes per process).
+DECODED_CACHE_BYTES = 128 << 20
+
+
 @dataclass
 class ImageSplit:
     paths: list[Path]
@@ -36,6 +41,9 @@ class ImageSplit:
     size: tuple[int, int]
     augment: bool = False
     shift: int = field(init=False)
+    cache_bytes: int = DECODED_CACHE_BYTES
+    _decoded: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False)
+    _held: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.shift = max(1, min(self.size) // 8)
@@ -44,11 +52,16 @@ class ImageSplit:
         return len(self.paths)
 
     def item(self, index: int) -> tuple[np.ndarray, ...]:
-        path = self.paths[index]
-        try:
-            arr = image_preprocess.load(path, self.channels, self.size)
-        except (OSError, ValueError) as exc:
-            raise DataError(f"cannot decode image {path}: {exc}") from exc
+        arr = self._decoded.get(index)
+        if arr is None:
+            path = self.paths[index]
+            try:
+                arr = image_preprocess.load(path, self.channels, self.size)
+            except (OSError, ValueError) as exc:
+                raise DataError(f"cannot decode image {path}: {exc}") from exc
+            if self._held + arr.nbytes <= self.cache_bytes:
+                self._decoded[index] = arr
+                self._held += arr.nbytes
         if self.augment:
             arr = _random_shift(arr, self.shift)
         return (arr,)

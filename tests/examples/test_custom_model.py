@@ -126,3 +126,22 @@ def test_jpeg_and_rgb_inputs_are_converted_as_training_converts_them(served) -> 
     t.set_data_from_numpy(tensor)
     want = httpclient.InferenceServerClient(server.http_address).infer("sep", [t])
     np.testing.assert_allclose(got.as_numpy("probabilities"), want.as_numpy("probabilities"), atol=1e-6)
+
+
+@pytest.mark.parametrize("protocol", ["http-binary", "grpc"])
+def test_loadtest_sends_real_images_read_from_the_served_contract(served, protocol: str) -> None:
+    """Locust users read the model's inputs from its metadata and send PNG bytes from --samples."""
+    import csv
+
+    work, _, _, gw = served
+    target = gw.grpc if protocol == "grpc" else f"http://{gw.http}"
+    out = work / f"lt-{protocol}"
+    proc = _cli(
+        "loadtest", "--target", target, "--protocol", protocol, "--model", "sep_raw", "--samples",
+        str(work / "digits"), "--keys", "50", "--users", "2", "--spawn-rate", "2", "--duration", "3s",
+        "--out", str(out), cwd=work,
+    )  # fmt: skip
+    with open(out / "locust_stats.csv", newline="") as f:
+        rows = {r["Name"]: r for r in csv.DictReader(f)}
+    name = {"http-binary": "http-binary", "grpc": "grpc"}[protocol] + " sep_raw"
+    assert int(rows[name]["Request Count"]) > 0 and int(rows[name]["Failure Count"]) == 0, proc.stdout

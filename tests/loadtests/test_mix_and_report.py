@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -39,14 +40,54 @@ def test_hot_keys_dominate_and_the_cold_model_gets_its_fraction() -> None:
     cold = np.mean([m == "cold" for m, _, _, _ in draws])
     assert 0.08 < cold < 0.12
     assert {r for _, _, _, r in draws} == {"a", "b"}
-    assert draws[0][2].shape == (1, 4)
+    assert draws[0][2][0].shape == (1, 4)
     again = RequestMix(MixSettings(model="hot", n_features=4, keys=100))
     np.testing.assert_array_equal(again.rows, mix.rows)  # same key space in every process
 
 
+def test_requests_follow_the_served_inputs_and_real_samples(tmp_path) -> None:
+    from loadtests.wire import binary_request, json_request
+    from training.datasets_builtin import write_topics_lt
+
+    inputs = (("tokens", "INT64", (-1,)), ("mask", "BOOL", (3,)))
+    mix = RequestMix(MixSettings(model="m", inputs=inputs, keys=5))
+    _, _, row, _ = mix.draw()
+    assert [(x.dtype, x.shape) for x in row] == [(np.int64, (1, 16)), (np.bool_, (1, 3))]
+    body, headers = binary_request(mix.tensors(row))
+    header = json.loads(body[: int(headers["Inference-Header-Content-Length"])])
+    assert [(i["name"], i["datatype"], i["parameters"]["binary_data_size"]) for i in header["inputs"]] == [
+        ("tokens", "INT64", 128), ("mask", "BOOL", 3),
+    ]  # fmt: skip
+    write_topics_lt(tmp_path, n_max=20, ratio=2, val_per_class=2, test_per_class=1)
+    raw = RequestMix(
+        MixSettings(model="m_raw", inputs=(("raw", "BYTES", (1,)),), keys=4, samples=str(tmp_path))
+    )
+    text = raw.rows[0][0][0, 0]
+    assert isinstance(text, bytes) and text.split()[0].startswith((b"w", b"t"))
+    body, _ = json_request(raw.tensors(raw.rows[0]))
+    assert json.loads(body)["inputs"][0]["data"] == [text.decode()]
+    real = RequestMix(
+        MixSettings(model="m", inputs=(("tokens", "INT64", (-1,)),), keys=3, samples=str(tmp_path))
+    )
+    assert len(real.rows) == 3 and real.rows[0][0].dtype == np.int64 and real.rows[0][0].shape[0] == 1
+    with pytest.raises(
+        ValueError, match="pass --samples DATA_DIR so requests carry real encoded images or text"
+    ):
+        RequestMix(MixSettings(model="m_raw", inputs=(("raw", "BYTES", (1,)),), keys=2))
+
+
 def test_settings_round_trip_through_the_environment() -> None:
     s = MixSettings(
-        model="m", n_features=3, keys=7, zipf_s=0.5, cold_model="c", cold_fraction=0.2, regions=("x",), seed=4
+        model="m",
+        n_features=3,
+        keys=7,
+        zipf_s=0.5,
+        cold_model="c",
+        cold_fraction=0.2,
+        regions=("x",),
+        seed=4,
+        inputs=(("image", "UINT8", (1, 8, 8)),),
+        samples="/data",
     )
     assert MixSettings.from_env(s.to_env()) == s
     with pytest.raises(RuntimeError, match="must be set; run load tests through `skewserve loadtest`"):
@@ -94,3 +135,9 @@ def test_durations() -> None:
     assert parse_duration("30s") == 30 and parse_duration("2m") == 120 and parse_duration("5") == 5
     with pytest.raises(ValueError, match="is not like 30s"):
         parse_duration("soon")
+
+
+def test_the_readmes_example_slo_file_loads() -> None:
+    root = Path(__file__).resolve().parents[2]
+    assert "--slo loadtests/slo.example.yaml" in (root / "README.md").read_text()
+    assert load_slo(root / "loadtests" / "slo.example.yaml") == Slo(p95_ms=250, p99_ms=500, error_rate=0.001)
