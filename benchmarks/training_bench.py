@@ -14,7 +14,8 @@ Prints three tables from one run:
 3. built-in families: `cnn` and `mlp` defaults on scikit-learn's digits as long-tailed 8x8 image
    folders (ratio 50, balanced test split), `text` on the generated topics set, each against
    class-weighted logistic regression on the same split; the cnn's data wait share per step.
-Usage: python benchmarks/training_bench.py [--quick] [--only defaults|quality|balance|families]
+4. streaming: peak resident memory of a cnn run on tensor shards of N and 4N images.
+Usage: python benchmarks/training_bench.py [--quick] [--only defaults|quality|balance|families|streaming]
 """
 
 from __future__ import annotations
@@ -319,12 +320,54 @@ def families(work: Path, seeds: list[int]) -> None:
     )
 
 
+def streaming(work: Path, base_items: int = 8000) -> None:
+    """Peak memory of a run when the data set grows 4x: tensor shards of 3x64x64 uint8 images (12 KiB
+    each), the cnn family, 40 steps, one DataLoader worker; each run in its own process."""
+    import subprocess
+
+    print("\nstreaming: peak resident memory of a training run vs data set size (tensor shards)")
+    for n in (base_items, 4 * base_items):
+        d = work / f"stream-{n}"
+        rng = np.random.default_rng(0)
+        for split, m in (("train", n), ("val", 256)):
+            (d / split).mkdir(parents=True)
+            labels = np.minimum(rng.geometric(0.3, m) - 1, 9)
+            images = np.lib.format.open_memmap(
+                d / split / "image.npy", mode="w+", dtype=np.uint8, shape=(m, 3, 64, 64)
+            )
+            for start in range(0, m, 1024):  # written in chunks: the writer holds no whole set either
+                images[start : start + 1024] = rng.integers(
+                    0, 256, (min(1024, m - start), 3, 64, 64), dtype=np.uint8
+                )
+            images.flush()
+            del images
+            np.save(d / split / "labels.npy", labels)
+        size_mb = (d / "train" / "image.npy").stat().st_size / 2**20
+        cmd = [
+            sys.executable, "-c",
+            "import resource, sys; from training.config import TrainConfig; from training.launch import train; "
+            f"train(TrainConfig(data_dir={str(d)!r}, out_dir={str(d / 'art')!r}, model='cnn', "
+            "model_args={'width': 8}, max_steps=40, global_batch_size=64, data_workers=1, progress=False)); "
+            "me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss; "
+            "print(me, kids)",
+        ]  # fmt: skip
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], check=True
+        )
+        me, kids = (int(v) / 1024 for v in out.stdout.split()[-2:])
+        print(
+            f"  {n:6d} items, {size_mb:6.0f} MiB on disk: peak RSS trainer {me:6.0f} MiB, data worker {kids:6.0f} MiB"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="one seed, fewer epochs")
-    parser.add_argument("--only", choices=["defaults", "quality", "balance", "families"], help="run one part")
+    parser.add_argument(
+        "--only", choices=["defaults", "quality", "balance", "families", "streaming"], help="run one part"
+    )
     parser.add_argument(
         "--seeds", default="0,1,2", help="comma-separated seeds of the defaults table (3,4,5 were held out)"
     )
@@ -347,6 +390,8 @@ def main() -> None:
             quality(work, epochs=15 if args.quick else 40, seeds=[0] if args.quick else [0, 1, 2])
         if args.only in (None, "balance"):
             balance(work, epochs=3 if args.quick else 6)
+        if args.only in (None, "streaming"):
+            streaming(work, base_items=2000 if args.quick else 8000)
         if args.only in (None, "families"):
             n = [int(x) for x in args.family_seeds.split(",")]
             families(work, n[:1] if args.quick else n)

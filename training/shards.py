@@ -8,7 +8,8 @@
 
 Inputs are taken in name order. An input with lengths has a dynamic first dimension: item i is
 `array[i, :lengths[i]]`, and a batch is zero-padded to its longest item (token ids with lengths,
-audio frames). Arrays are opened with `mmap_mode="r"`: only the labels are read into memory.
+audio frames). Inputs are read row by row with positioned reads (`training.npy_rows`): only the
+labels and lengths are read into memory.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ import numpy as np
 from training.data_spec import DYNAMIC, TRITON_DTYPES, DataSpec, InputSpec
 from training.datasets import LabelledData, class_warnings
 from training.errors import DataError
+from training.npy_rows import NpyRows
 
 HASH_PREFIX_BYTES = 1 << 20
 
 
 @dataclass
 class ShardSplit:
-    arrays: list[np.ndarray]
+    arrays: list[NpyRows]
     lengths: list[np.ndarray | None]
     labels: np.ndarray
 
@@ -38,8 +40,8 @@ class ShardSplit:
     def item(self, index: int) -> tuple[np.ndarray, ...]:
         out = []
         for arr, lengths in zip(self.arrays, self.lengths, strict=True):
-            row = arr[index] if lengths is None else arr[index, : int(lengths[index])]
-            out.append(np.array(row))  # a copy: read from the map now, in this worker
+            row = arr.row(index)
+            out.append(row if lengths is None else row[: int(lengths[index])])
         return tuple(out)
 
 
@@ -64,7 +66,7 @@ def _open_split(split_dir: Path, names: list[str]) -> ShardSplit:
     for name in names:
         path = split_dir / f"{name}.npy"
         try:
-            arr = np.load(path, mmap_mode="r")
+            arr = NpyRows(path)
         except (OSError, ValueError) as exc:
             raise DataError(f"cannot read {path}: {exc}") from exc
         if arr.shape[:1] != labels.shape:
@@ -87,12 +89,12 @@ def _open_split(split_dir: Path, names: list[str]) -> ShardSplit:
     return ShardSplit(arrays, lengths, labels.astype(np.int64))
 
 
-def _max_id(arrays: list[np.ndarray], chunk: int = 1 << 16) -> int:
-    """Largest value of integer arrays, read in chunks (never the whole map at once)."""
+def _max_id(arrays: list[NpyRows], chunk: int = 1 << 12) -> int:
+    """Largest value of integer arrays, read in chunks (never the whole file at once)."""
     top = 0
     for arr in arrays:
         for start in range(0, len(arr), chunk):
-            part = np.asarray(arr[start : start + chunk])
+            part = arr.rows(start, start + chunk)
             if part.size:
                 top = max(top, int(part.max()))
     return top

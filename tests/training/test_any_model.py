@@ -17,6 +17,7 @@ from training.datasets_builtin import write_topics_lt
 from training.errors import DataError, ModelError
 from training.factory import parse_model_args
 from training.launch import train
+from training.npy_rows import NpyRows
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -90,7 +91,7 @@ def test_tensor_shards_stream_token_ids_with_lengths_into_the_text_family(tmp_pa
     (spec,) = ds.spec.inputs
     assert (spec.name, spec.dtype, spec.shape) == ("tokens", "int64", (-1,))
     assert spec.ranges[0][2] == 20 and 4 <= spec.ranges[0][1] <= 20
-    assert isinstance(ds.train.arrays[0], np.memmap)  # only labels are read into memory
+    assert isinstance(ds.train.arrays[0], NpyRows)  # rows are read on demand; labels held in memory
     inputs, _ = SplitDataset(ds.train, ds.spec).__getitems__([0, 1, 2])
     lengths = ds.train.lengths[0][:3]
     assert inputs[0].shape == (3, int(lengths.max()))  # padded to the batch's longest, not to 20
@@ -160,3 +161,23 @@ def test_model_args_are_read_as_json_values() -> None:
     }  # fmt: skip
     with pytest.raises(ModelError, match="--model-arg 'width' must be KEY=VALUE"):
         parse_model_args(["width"])
+
+
+def test_npy_rows_read_exactly_what_numpy_stored_and_refuse_what_they_cannot(tmp_path: Path) -> None:
+    import pickle
+
+    for dtype in ("float16", "int32", "uint8", "bool"):
+        x = (np.arange(5 * 2 * 3).reshape(5, 2, 3) % 7).astype(dtype)
+        np.save(tmp_path / f"{dtype}.npy", x)
+        rows = NpyRows(tmp_path / f"{dtype}.npy")
+        np.testing.assert_array_equal(rows.rows(1, 4), x[1:4])
+        np.testing.assert_array_equal(
+            pickle.loads(pickle.dumps(rows)).row(4), x[4]
+        )  # as a spawned worker gets it
+    np.save(tmp_path / "f.npy", np.asfortranarray(np.ones((3, 2))))
+    with pytest.raises(ValueError, match="is stored in Fortran order; save it C-ordered"):
+        NpyRows(tmp_path / "f.npy")
+    full = (tmp_path / "uint8.npy").read_bytes()
+    (tmp_path / "cut.npy").write_bytes(full[:-4])
+    with pytest.raises(OSError, match=r"cut.npy: short read at row 4 \(the file is truncated\)"):
+        NpyRows(tmp_path / "cut.npy").row(4)
