@@ -59,15 +59,41 @@ def _setup_logging(verbose: bool) -> None:
     )
 
 
-def wait_for_interrupt() -> None:
-    """Block the foreground until Ctrl-C or SIGTERM."""
+def wait_for_interrupt(check: Any = None) -> None:
+    """Block the foreground until Ctrl-C or SIGTERM; `check()` runs every half second and may raise."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         while not stop.wait(0.5):
-            pass
+            if check is not None:
+                check()
     except KeyboardInterrupt:
         pass
+
+
+class StackDied(RuntimeError):
+    """A process of the local stack exited on its own."""
+
+
+def watch_stack(stack: Any) -> None:
+    """Raise StackDied when the gateway or a (non-autoscaled) Triton server of `up` has exited."""
+    proc = stack.gateway_proc
+    if proc is not None and proc.poll() is not None:
+        raise StackDied(f"the gateway exited with code {proc.returncode}; see {stack.log_dir}/gateway.log")
+    for server in stack.fleet.servers:
+        if server.pid is not None and not server.is_running():
+            raise StackDied(f"tritonserver {server.spec.name} exited; see its log in {stack.log_dir}")
+
+
+def loaded_models(stack: Any) -> dict[str, list[str]]:
+    """Models each Triton server of the stack reports READY (its repository index)."""
+    import tritonclient.http as httpclient
+
+    out: dict[str, list[str]] = {}
+    for server in stack.fleet.servers:
+        index = httpclient.InferenceServerClient(server.http_address).get_model_repository_index()
+        out[server.spec.name] = sorted({m["name"] for m in index if m.get("state") == "READY"})
+    return out
 
 
 @triton_app.command("up")
@@ -763,8 +789,20 @@ def up_command(
     try:
         print_stack(stack)
         say(f"model repository {stack_cfg.repository}")
+        models = sorted({m for names in loaded_models(stack).values() for m in names})
+        if models:
+            say(f"models loaded: {', '.join(models)}")
+        else:
+            notice(
+                f"no model loaded from {stack_cfg.repository}: every request will be 'unknown model'. "
+                "Export one there (skewserve export --repo ...) or pass --repo",
+                "warning",
+            )
         say("serving; press Ctrl-C to stop")
-        wait_for_interrupt()
+        wait_for_interrupt(lambda: watch_stack(stack))
+    except StackDied as exc:
+        error(f"{exc}; stopping every server of the stack")
+        raise typer.Exit(1) from exc
     finally:
         stack.stop()
         say("stopped the gateway and all servers")

@@ -77,6 +77,30 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def preflight(cfg: TrainConfig) -> None:
+    """Check the data and the model once, in this process, before any rank starts.
+
+    Every rank would otherwise meet the same bad file or the same wrong output shape, and each
+    would print its traceback under torchrun's own report; here the problem is one DataError or
+    ModelError naming it (the ranks repeat the checks, which then pass).
+    """
+    import numpy as np
+
+    from training.data_source import open_data
+    from training.datasets import SplitDataset
+    from training.factory import build, check_output
+
+    data = open_data(cfg.data_dir, cfg.label_column, cfg.image_size, cfg.channels, False, cfg.skip_bad_files)
+    for note in data.warnings:
+        logger.warning("data: %s", note)
+    args = dict(cfg.model_args)
+    if cfg.model == "mlp":
+        args = {"width": cfg.width, "depth": cfg.depth, "dropout": cfg.dropout} | args
+    model, _ = build(cfg.model, args, data.spec)
+    probe = SplitDataset(data.train, data.spec).__getitems__(list(np.arange(min(4, len(data.train)))))
+    check_output(model, probe[0], data.spec, cfg.model)
+
+
 def train(cfg: TrainConfig, log_path: Path | None = None) -> dict[str, Any]:
     """Train and return the artifact's metadata; raises TrainingError with the workers' reason."""
     if cfg.world_size == 1 and cfg.max_restarts == 0:
@@ -84,6 +108,8 @@ def train(cfg: TrainConfig, log_path: Path | None = None) -> dict[str, Any]:
 
         run(cfg)
     else:
+        if cfg.node_rank in (None, 0):  # every node would find the same problem; one says it
+            preflight(cfg)
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
         config_path = cfg.out_dir / "train_config.json"
         _write_atomically(config_path, cfg.model_dump_json(indent=2))

@@ -143,3 +143,36 @@ def test_triton_up_rejects_empty_regions(affine_repo: Path) -> None:
     assert res.stderr.splitlines()[-1] == (
         "Error: Invalid value for --regions: give at least one region name, e.g. --regions us-east,eu-west"
     )
+
+
+def test_up_serves_the_repo_it_is_given_and_stops_everything_when_its_gateway_dies(
+    affine_repo: Path, tmp_path: Path
+) -> None:
+    """Issue 25 items 1 and 3: `up --repo`, the models it loaded printed, and a dead gateway noticed."""
+    import os
+
+    cfg = tmp_path / "elsewhere" / "stack.yaml"
+    cfg.parent.mkdir()
+    cfg.write_text(
+        "repository: ../model_repository\nmodel_config_name: local\nregions: {us-east: 1}\n"
+        "gateway: {home_region: us-east, listen: {host: 127.0.0.1, http_port: 0, grpc_port: 0, ops_port: 0}}\n"
+    )
+    with cli_process(
+        "up", "--config", str(cfg), "--repo", str(affine_repo), "--log-dir", str(tmp_path / "logs")
+    ) as proc:
+        text = read_until(proc, "press Ctrl-C")
+        assert f"model repository {affine_repo.resolve()}" in text, text
+        assert "models loaded: affine" in text, text
+        rows = {row[0]: row for row in table_rows(text)[1:]}
+        gateway_pid, triton_pid = int(rows["gateway"][-1]), int(rows["triton"][-1])
+        os.kill(gateway_pid, signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, rest
+    assert "error: the gateway exited with code -9; see" in rest
+    assert (
+        "stopping every server of the stack" in rest
+        and rest.splitlines()[-1] == "stopped the gateway and all servers"
+    )
+    assert (
+        not Path(f"/proc/{triton_pid}").exists() or "zombie" in Path(f"/proc/{triton_pid}/status").read_text()
+    )

@@ -96,6 +96,42 @@ def test_cli_train_reports_bad_data(tmp_path: Path) -> None:
     assert "classes ['q'] appear in the val split but not in training" in res.stdout
 
 
+def test_bad_data_with_two_ranks_is_one_line_before_torchrun_starts(tmp_path: Path) -> None:
+    """Issue 25 item 4: the data is checked once in the launcher, not by every rank."""
+    (tmp_path / "train.csv").write_text("a,b,label\n1,,x\n2,inf,y\n,3,y\n")
+    (tmp_path / "val.csv").write_text("a,b,label\n1,1,x\n2,2,y\n")
+    res = subprocess.run(
+        [sys.executable, "-m", "skewserve.cli", "train", "--data", str(tmp_path), "--out", str(tmp_path / "o"),
+         "--nproc", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 1
+    out = res.stdout + res.stderr
+    assert "Traceback" not in out and "torch.distributed" not in out
+    # Every column's problem at once, with its counts.
+    assert (
+        "error: feature column 'a' in the train split has 1 non-finite values (1 NaN, 0 inf); impute or "
+        "drop those rows; feature column 'b' in the train split has 2 non-finite values (1 NaN, 1 inf); "
+        "impute or drop those rows"
+    ) in res.stdout
+    assert not (tmp_path / "o" / "train_config.json").exists()
+
+
+def test_data_inspect_warns_of_missing_and_singleton_classes(tmp_path: Path) -> None:
+    (tmp_path / "train.csv").write_text("a,label\n1,x\n2,x\n3,y\n4,z\n5,z\n")
+    (tmp_path / "val.csv").write_text("a,label\n1,x\n2,y\n")
+    res = subprocess.run(
+        [sys.executable, "-m", "skewserve.cli", "data", "inspect", "--data", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "warning: classes with a single training item: ['y']; their recall will be noisy" in res.stdout
+    assert (
+        "warning: the val split has no items of classes ['z']: its balanced accuracy covers only the "
+        "classes it holds"
+    ) in res.stdout
+
+
 def test_failing_torchrun_is_reported(tmp_path: Path, small_data: Path) -> None:
     cfg = TrainConfig(
         data_dir=small_data, out_dir=tmp_path / "o", nproc=2, epochs=1, progress=False, precision="fp16"
