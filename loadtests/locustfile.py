@@ -22,6 +22,8 @@ from loadtests.shapes import ShapeParams, shape_tick  # noqa: E402
 from loadtests.wire import binary_request, json_request  # noqa: E402
 
 REGION_HEADER = os.environ.get("SKEWSERVE_LT_REGION_HEADER", "x-skewserve-region")
+# The gateway's API key (`skewserve loadtest` passes it through the environment, never argv).
+KEY_HEADERS = {"x-api-key": os.environ["SKEWSERVE_API_KEY"]} if os.environ.get("SKEWSERVE_API_KEY") else {}
 
 
 class _Mixed:
@@ -45,6 +47,7 @@ class _HttpUser(FastHttpUser, _Mixed):
         mix = self._mix()
         model, _, row, region = mix.draw()
         body, headers = self.encode(mix.tensors(row))
+        headers.update(KEY_HEADERS)
         if region:
             headers[REGION_HEADER] = region
         with self.client.post(
@@ -100,7 +103,8 @@ class GrpcUser(User, _Mixed):
         exc: Exception | None = None
         length = 0
         try:
-            result = self.grpc.infer(model, inputs, headers={REGION_HEADER: region} if region else None)
+            headers = dict(KEY_HEADERS) | ({REGION_HEADER: region} if region else {})
+            result = self.grpc.infer(model, inputs, headers=headers or None)
             length = result.get_response().ByteSize()
         except Exception as e:  # reported to locust as a failure, never swallowed
             exc = e

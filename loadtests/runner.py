@@ -147,19 +147,25 @@ def run_loadtest(spec: LoadTestSpec) -> LoadTestResult:
 
 
 def model_inputs(target: str, protocol: str, model: str) -> tuple[InputDesc, ...]:
-    """The model's inputs as the endpoint serves them: name, datatype, per-item shape (-1 dynamic)."""
+    """The model's inputs as the endpoint serves them: name, datatype, per-item shape (-1 dynamic).
+
+    With SKEWSERVE_API_KEY set (a gateway that requires keys), these reads carry it as the users do.
+    """
+    key = os.environ.get("SKEWSERVE_API_KEY")
+    headers = {"x-api-key": key} if key else None
     if protocol == "grpc":
         import tritonclient.grpc as grpcclient
 
         client = grpcclient.InferenceServerClient(target.removeprefix("grpc://"))
-        meta = client.get_model_metadata(model, as_json=True)
-        batched = int(client.get_model_config(model, as_json=True)["config"].get("max_batch_size", 0)) > 0
+        meta = client.get_model_metadata(model, headers=headers, as_json=True)
+        config = client.get_model_config(model, headers=headers, as_json=True)["config"]
+        batched = int(config.get("max_batch_size", 0)) > 0
     else:
         import tritonclient.http as httpclient
 
         client = httpclient.InferenceServerClient(target.removeprefix("http://").removeprefix("https://"))
-        meta = client.get_model_metadata(model)
-        batched = int(client.get_model_config(model).get("max_batch_size", 0)) > 0
+        meta = client.get_model_metadata(model, headers=headers)
+        batched = int(client.get_model_config(model, headers=headers).get("max_batch_size", 0)) > 0
     out = []
     for inp in meta["inputs"]:
         shape = tuple(int(d) for d in inp["shape"])

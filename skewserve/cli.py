@@ -876,7 +876,11 @@ def loadtest_command(
         "encoded images or text for a <model>_raw ensemble; default: synthetic tensors.",
     ),
 ) -> None:
-    """Run a bounded locust load with skewed traffic; write CSV, HTML and PNG; gate on an SLO file."""
+    """Run a bounded locust load with skewed traffic; write CSV, HTML and PNG; gate on an SLO file.
+
+    A gateway that requires API keys: export SKEWSERVE_API_KEY=<key> first (sent as x-api-key; an
+    environment variable keeps the key out of shell history and process listings).
+    """
     from loadtests.mix import MixSettings
     from loadtests.report import load_slo
     from loadtests.runner import LoadTestSpec, model_inputs, parse_duration, run_loadtest

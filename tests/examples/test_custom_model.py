@@ -145,3 +145,33 @@ def test_loadtest_sends_real_images_read_from_the_served_contract(served, protoc
         rows = {r["Name"]: r for r in csv.DictReader(f)}
     name = {"http-binary": "http-binary", "grpc": "grpc"}[protocol] + " sep_raw"
     assert int(rows[name]["Request Count"]) > 0 and int(rows[name]["Failure Count"]) == 0, proc.stdout
+
+
+def test_loadtest_sends_the_api_key_from_the_environment(served) -> None:
+    """Issue 25 item 13: a gateway that requires keys can be load-tested (key in the environment)."""
+    import csv
+    import os
+
+    from gateway.auth import hash_key
+
+    work, _, server, _ = served
+    cfg = gateway_config(
+        {"us-east": [server]}, auth={"keys": [{"name": "lt", "sha256": hash_key("s3cret-key")}]}
+    )
+    gw = launch_gateway(cfg, work / "gw-keys")
+    try:
+        args = [
+            sys.executable, "-m", "skewserve.cli", "loadtest", "--target", f"http://{gw.http}", "--model", "sep",
+            "--samples", str(work / "digits"), "--keys", "20", "--users", "1", "--spawn-rate", "1",
+            "--duration", "5s", "--out", str(work / "lt-keys"),
+        ]  # fmt: skip
+        refused = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=work)
+        assert refused.returncode == 2 and "401" in refused.stdout, refused.stdout
+        env = os.environ | {"SKEWSERVE_API_KEY": "s3cret-key"}
+        ok = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=work, env=env)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        with open(work / "lt-keys" / "locust_stats.csv", newline="") as f:
+            row = next(r for r in csv.DictReader(f) if r["Name"] == "http-binary sep")
+        assert int(row["Request Count"]) > 0 and int(row["Failure Count"]) == 0
+    finally:
+        gw.stop()
