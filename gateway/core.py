@@ -177,9 +177,15 @@ class Gateway:
         except asyncio.CancelledError:  # discovery reconfigured or stopped mid-probe: nothing leaks
             await server.close()
             raise
+        if not self.attach_server(server):
+            await server.close()
+            return False
+        return True
+
+    def attach_server(self, server: UpstreamServer) -> bool:
+        """Put an already-probed server in routing at once (no await); False when its region is gone."""
         region = self.router.regions.get(server.region)
         if region is None:
-            await server.close()
             return False
         region.servers.append(server)
         self.servers.append(server)  # the health checker's and outlier detector's list too

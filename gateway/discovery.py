@@ -166,8 +166,12 @@ class Discovery:
                 await replacement.start()
         for name, discover in wanted.items():
             if name not in self.watches:
-                self.watches[name] = _RegionWatch(self.gw, name, discover)
-                await self.watches[name].start()
+                try:
+                    watch = _RegionWatch(self.gw, name, discover)
+                except ValueError as exc:  # a source that cannot be built (e.g. its resolver's nameserver)
+                    raise ValueError(f"region {name}: discover: {exc}") from exc
+                self.watches[name] = watch
+                await watch.start()
 
     async def stop(self) -> None:
         await asyncio.gather(*(w.stop() for w in self.watches.values()))

@@ -6,13 +6,12 @@ start. It is applied only whole, or not at all (one log line says why, and the r
 - an invalid file is refused with the validation message, which names the field;
 - a change to a field that cannot change live (anything but `regions` and `home_region`: listen
   ports, cache backend, limits, ...) is refused with the fields named: restart to change them;
-- otherwise regions and servers change in place, in an order that never lowers capacity before
-  it is replaced: new regions join (empty), new servers are probed and join (routable once a probe
-  said ready), discovery follows its new settings, the home region moves, then removed servers
-  and regions leave routing and drain (closed once their in-flight requests finished).
-
-Each step is a synchronous change between awaits, so a request is routed either before or after it,
-never across a half-made fleet.
+- otherwise regions and servers change in place, whole or not at all (`apply_fleet`): new servers
+  are probed aside, new regions join empty and discovery follows its new settings; a failure there
+  is undone and refused with its cause. Then, in one synchronous step, new servers join (routable
+  once a probe said ready), the home region moves, and removed servers and regions leave routing
+  and drain (closed once their in-flight requests finished), so capacity is never lowered before
+  it is replaced and a request is routed either before or after the change, never across it.
 """
 
 from __future__ import annotations
@@ -46,35 +45,58 @@ def fixed_field_changes(old: GatewayConfig, new: GatewayConfig) -> list[str]:
     return changed_fields(old.model_dump(exclude=set(LIVE_FIELDS)), new.model_dump(exclude=set(LIVE_FIELDS)))
 
 
+class ReloadFailed(Exception):
+    """Applying a valid config failed part-way; everything it had changed was undone."""
+
+
 async def apply_fleet(gw: Gateway, new: GatewayConfig) -> list[str]:
-    """Make the gateway's regions and servers those of `new`; returns what changed, for the log."""
-    old_regions = {r.name: r for r in gw.cfg.regions}
+    """Make the gateway's regions and servers those of `new`, whole or not at all.
+
+    Everything that awaits comes first and changes no routing: joining servers are probed aside,
+    new regions are added empty (routing skips a region without servers) so discovery can fill
+    them, and discovery follows its new settings. If any of that fails, it is undone (probed
+    servers closed, added regions removed, discovery back on the old settings) and ReloadFailed
+    says why. Only then, in one synchronous block no request can interleave with, servers join
+    and leave, the home region moves and `gw.cfg` becomes `new`.
+    """
+    old = gw.cfg
+    old_regions = {r.name: r for r in old.regions}
     new_regions = {r.name: r for r in new.regions}
-    changes: list[str] = []
-    for name, region_cfg in new_regions.items():
-        if name not in gw.router.regions:
-            gw.add_region(name, region_cfg.rtt_ms)
-            changes.append(f"+region {name}")
-        else:
-            gw.router.regions[name].fixed_rtt_s = (
-                None if region_cfg.rtt_ms is None else region_cfg.rtt_ms / 1000
-            )
     leaving: list[UpstreamServer] = []
     joining: list[UpstreamServer] = []
     for name, region_cfg in new_regions.items():
         before = {s.name: s for s in _static(old_regions.get(name))}
         after = {s.name: s for s in region_cfg.servers}
-        present = {s.name: s for s in gw.router.regions[name].servers}
+        region = gw.router.regions.get(name)
+        present = {s.name: s for s in region.servers} if region is not None else {}
         for server_name, server_cfg in after.items():
             if before.get(server_name) != server_cfg or server_name not in present:
                 joining.append(gw.new_server(server_cfg, name))
         for server_name, server_cfg in before.items():
             if after.get(server_name) != server_cfg and server_name in present:
                 leaving.append(present[server_name])
-    # Replacements first: a server whose address changed is removed only once its successor is in.
-    joined = await asyncio.gather(*(gw.add_server(s) for s in joining))
-    changes += [f"+server {s.name}" for s, ok in zip(joining, joined, strict=True) if ok]
-    await gw.discovery.reconfigure(new)
+    added = [name for name in new_regions if name not in gw.router.regions]
+    try:
+        await asyncio.gather(*(gw.health.probe(s) for s in joining))
+        for name in added:
+            gw.add_region(name, new_regions[name].rtt_ms)
+        try:
+            await gw.discovery.reconfigure(new)
+        except Exception as exc:
+            for name in added:
+                gw.remove_region(name)
+            await gw.discovery.reconfigure(old)
+            raise ReloadFailed(f"discovery could not follow the new config: {exc}") from exc
+    except BaseException:
+        await asyncio.gather(*(s.close() for s in joining), return_exceptions=True)
+        raise
+    # -- the commit: no await from here on -------------------------------------------------------
+    changes = [f"+region {name}" for name in added]
+    for name, region_cfg in new_regions.items():
+        gw.router.regions[name].fixed_rtt_s = None if region_cfg.rtt_ms is None else region_cfg.rtt_ms / 1000
+    for server in joining:
+        gw.attach_server(server)  # its region exists: added above, or kept
+        changes.append(f"+server {server.name}")
     if gw.router.home != new.home_region:
         changes.append(f"home {gw.router.home} -> {new.home_region}")
         gw.router.set_home(new.home_region)
@@ -128,7 +150,10 @@ class ConfigReloader:
                     f"{', '.join(fixed)} cannot change while the gateway runs (only regions and "
                     f"home_region can): restart the gateway to change them, or revert them in {self.path}"
                 )
-            changes = await apply_fleet(self.gw, new)
+            try:
+                changes = await apply_fleet(self.gw, new)
+            except ReloadFailed as exc:
+                return self._refuse(str(exc))
             self.gw.reloads["applied"] += 1
             logger.info("config reloaded from %s: %s", self.path, ", ".join(changes) or "no fleet change")
             return True

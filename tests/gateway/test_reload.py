@@ -261,3 +261,66 @@ def test_sighup_adds_a_discovered_region_moves_home_and_removes_the_old_region_u
         gw.stop()
         api.close()
     assert load.failed == [] and api.lists == 2 and api.unauthorized == 0
+
+
+def test_a_reload_whose_discovery_fails_changes_nothing(pair: list[TritonServer], tmp_path: Path) -> None:
+    """Issue 22: a reload that adds a server and a discovered region whose source cannot be built
+    (a nameserver that is not an IP address) is refused whole: the server never joined, the
+    config the gateway reports is the old one, and the refusal names the cause."""
+    a, b = pair
+    cfg = _config({"a": a})
+    gw = launch_gateway(cfg, tmp_path)
+    try:
+        new = copy.deepcopy(cfg)
+        new["regions"][0]["servers"].append({"name": "b", "http": b.http_address, "grpc": b.grpc_address})
+        new["regions"].append(
+            {"name": "dns", "discover": {"dns_name": "triton.example", "nameserver": "localhost:53"}}
+        )
+        _rewrite(gw, new)
+        gw.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: _reloads(gw)["refused"] == 1, timeout=30)
+        reloads = _reloads(gw)
+        assert reloads["applied"] == 0
+        assert "region dns" in reloads["last_refusal"] and "nameserver localhost" in reloads["last_refusal"]
+        admin = gw.admin()
+        assert {s["name"] for s in admin["servers"]} == {"a"}
+        assert list(admin["skew_index"]) == ["local"] and admin["region_order"] == ["local"]
+        # A later valid reload still applies: the gateway was left in its old state, not a broken one.
+        new["regions"].pop()
+        _rewrite(gw, new)
+        gw.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: _reloads(gw)["applied"] == 1, timeout=30)
+        wait_until(lambda: {s["name"] for s in gw.admin()["servers"]} == {"a", "b"}, timeout=30)
+    finally:
+        gw.stop()
+
+
+def test_every_worker_ends_on_the_same_config_or_none_does(pair: list[TritonServer], tmp_path: Path) -> None:
+    """Issue 22: with listen.workers > 1 each worker reloads on its own (SIGHUP fans out); a refused
+    reload is refused by all of them, an applied one applied by all."""
+    a, b = pair
+    cfg = _config({"a": a})
+    cfg["listen"]["workers"] = 2
+    gw = launch_gateway(cfg, tmp_path)
+    try:
+
+        def views() -> list[dict[str, Any]]:
+            return [w for w in gw.admin()["workers"] if w is not None]
+
+        wait_until(lambda: len(views()) == 2, timeout=30)
+        new = copy.deepcopy(cfg)
+        new["regions"][0]["servers"].append({"name": "b", "http": b.http_address, "grpc": b.grpc_address})
+        new["regions"].append(
+            {"name": "dns", "discover": {"dns_name": "t.example", "nameserver": "localhost:53"}}
+        )
+        _rewrite(gw, new)
+        gw.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: [v["config_reloads"]["refused"] for v in views()] == [1, 1], timeout=30)
+        assert all({s["name"] for s in v["servers"]} == {"a"} for v in views())
+        new["regions"].pop()
+        _rewrite(gw, new)
+        gw.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: [v["config_reloads"]["applied"] for v in views()] == [1, 1], timeout=30)
+        wait_until(lambda: all({s["name"] for s in v["servers"]} == {"a", "b"} for v in views()), timeout=30)
+    finally:
+        gw.stop()
