@@ -595,9 +595,20 @@ def rollout_command(
     regions: str | None = typer.Option(
         None, "--regions", help="Regions from the gateway config (--config), instead of --servers."
     ),
-    config: Path | None = typer.Option(None, "--config", help="Gateway config file, with --regions."),
-    repo: str = typer.Option(
-        "model_repository", "--repo", help="The repository the version was published to: folder or s3://..."
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        help="The stack config `skewserve up` runs (its servers are read from the running stack's "
+        "--log-dir), or a gateway config; every region unless --regions.",
+    ),
+    log_dir: Path = typer.Option(
+        Path("runs/stack-logs"), "--log-dir", help="The running stack's --log-dir (with a stack --config)."
+    ),
+    repo: str | None = typer.Option(
+        None,
+        "--repo",
+        help="The repository the version was published to: folder or s3://... (default: the stack "
+        "config's repository, else model_repository)",
     ),
     ready_timeout: float = typer.Option(60.0, "--ready-timeout"),
     server_tensorrt: str | None = typer.Option(
@@ -615,21 +626,28 @@ def rollout_command(
 
     _setup_logging(False)
     urls = [u.strip() for u in (servers or "").split(",") if u.strip()]
-    if regions:
-        if config is None:
-            raise typer.BadParameter(
-                "--regions needs --config (the gateway config naming the servers)", param_hint="--regions"
-            )
-        from gateway.config import load_gateway_config
-
-        gw = load_gateway_config(config)
-        wanted = {r.strip() for r in regions.split(",") if r.strip()}
-        unknown = wanted - {r.name for r in gw.regions}
+    if regions and config is None:
+        raise typer.BadParameter(
+            "--regions needs --config (the stack or gateway config naming the servers)",
+            param_hint="--regions",
+        )
+    if config is not None:
+        try:
+            region_urls, stack_repo = rollout_targets(config, log_dir)
+        except ValueError as exc:
+            error(exc, label="rollout failed")
+            raise typer.Exit(2) from exc
+        wanted = {r.strip() for r in regions.split(",") if r.strip()} if regions else set(region_urls)
+        unknown = wanted - set(region_urls)
         if unknown:
             raise typer.BadParameter(f"regions {sorted(unknown)} are not in {config}", param_hint="--regions")
-        urls += [f"http://{s.http}" for r in gw.regions if r.name in wanted for s in r.servers]
+        urls += [u for r in sorted(wanted) for u in region_urls[r]]
+        repo = repo or stack_repo
+    repo = repo or "model_repository"
     if not urls:
-        raise typer.BadParameter("give --servers URL,... or --regions with --config", param_hint="--servers")
+        raise typer.BadParameter(
+            "give --servers URL,... or --config (with --regions)", param_hint="--servers"
+        )
     try:
         done = rollout(
             name,
@@ -649,6 +667,35 @@ def rollout_command(
             f"(limit {r.canary_limit:.0e}, {'GPU' if r.gpu else 'CPU'}) "
             f"(was serving {', '.join(r.previous_versions) or 'nothing'})"
         )
+
+
+def rollout_targets(config: Path, log_dir: Path) -> tuple[dict[str, list[str]], str | None]:
+    """Triton URLs per region from a stack config (the running stack's generated gateway config) or
+    a gateway config, and the stack's repository; ValueError in one line saying what is wrong."""
+    from gateway.config import ConfigError, load_gateway_config
+    from skewserve.stack import StackConfigError, load_stack_config
+
+    if not config.is_file():
+        raise ValueError(f"--config {config} does not exist")
+    try:
+        stack = load_stack_config(config)
+    except (StackConfigError, TypeError, ValueError):
+        stack = None
+    if stack is not None:
+        generated = log_dir / "gateway.generated.yaml"
+        if not generated.is_file():
+            raise ValueError(
+                f"{config} is a stack config, but no stack is running with --log-dir {log_dir} "
+                f"({generated} is missing): start it with `skewserve up --config {config}`, or pass its --log-dir"
+            )
+        gw_path, repository = generated, str(stack.repository)
+    else:
+        gw_path, repository = config, None
+    try:
+        gw = load_gateway_config(gw_path)
+    except ConfigError as exc:
+        raise ValueError(f"{config} is neither a stack config nor a valid gateway config: {exc}") from exc
+    return {r.name: [f"http://{s.http}" for s in r.servers] for r in gw.regions}, repository
 
 
 @gateway_app.callback()

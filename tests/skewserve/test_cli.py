@@ -176,3 +176,40 @@ def test_up_serves_the_repo_it_is_given_and_stops_everything_when_its_gateway_di
     assert (
         not Path(f"/proc/{triton_pid}").exists() or "zombie" in Path(f"/proc/{triton_pid}/status").read_text()
     )
+
+
+def test_rollout_takes_the_stack_config_up_takes(affine_repo: Path, tmp_path: Path) -> None:
+    """Issue 25 item 2: the servers come from the running stack, the repository from its config."""
+    cfg = tmp_path / "stack.yaml"
+    cfg.write_text(
+        f"repository: {affine_repo}\nmodel_config_name: local\nregions: {{us-east: 1}}\n"
+        "gateway: {home_region: us-east, listen: {host: 127.0.0.1, http_port: 0, grpc_port: 0, ops_port: 0}}\n"
+    )
+    logs = tmp_path / "logs"
+    rollout = [
+        *SKEWSERVE,
+        "rollout",
+        "affine",
+        "--version",
+        "1",
+        "--config",
+        str(cfg),
+        "--log-dir",
+        str(logs),
+    ]
+    res = subprocess.run(rollout, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stdout + res.stderr
+    assert res.stdout.strip() == (
+        f"rollout failed: {cfg} is a stack config, but no stack is running with --log-dir {logs} "
+        f"({logs / 'gateway.generated.yaml'} is missing): start it with `skewserve up --config {cfg}`, or "
+        "pass its --log-dir"
+    )
+    with cli_process("up", "--config", str(cfg), "--log-dir", str(logs)) as proc:
+        read_until(proc, "press Ctrl-C")
+        res = subprocess.run(rollout, capture_output=True, text=True, timeout=60)
+    # It reached the stack's server and looked in the stack's repository (affine has no model card).
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert (
+        res.stdout.strip()
+        == f"rollout failed: affine version 1 is not published in {affine_repo} (no model_card.json); export it first"
+    )
