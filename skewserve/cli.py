@@ -471,8 +471,13 @@ def print_training_summary(meta: dict, out: Path) -> None:
         table.add_row(split, f"{m['balanced_accuracy']:.4f}", f"{m['macro_f1']:.4f}", f"{m['accuracy']:.4f}")
     console.print(table)
     prov = meta["provenance"]
+    # Epochs count from 1, as the progress lines do.
+    if prov.get("weights_from") == "best epoch":
+        kept = f"kept epoch {prov['best_epoch'] + 1}, the best on smoothed val balanced accuracy"
+    else:
+        kept = f"kept the final epoch's weights ({prov['epochs_run']})"
     say(
-        f"epochs {prov['epochs_run']} (best {prov['best_epoch']}), world size {prov['world_size']}, "
+        f"epochs {prov['epochs_run']} ({kept}), world size {prov['world_size']}, "
         f"mean epoch {prov['mean_epoch_wall_s'] * 1000:.0f} ms, mean rank imbalance {prov['mean_imbalance_ratio']:.2f}"
     )
 

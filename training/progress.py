@@ -22,6 +22,9 @@ def is_interactive(stream: TextIO) -> bool:
         return False
 
 
+MAX_LINES = 50
+
+
 class EpochProgress:
     """Progress of a run of `epochs` epochs of `steps_per_epoch` steps, resumed at `start_epoch`."""
 
@@ -29,6 +32,8 @@ class EpochProgress:
         self, epochs: int, steps_per_epoch: int, start_epoch: int = 0, stream: TextIO | None = None
     ) -> None:
         self.epochs = epochs
+        # A log keeps at most about MAX_LINES epoch lines: a tiny data set can run 1,000 epochs.
+        self.every = max(1, -(-epochs // MAX_LINES))
         self.stream = stream if stream is not None else sys.stderr
         self._bar: Any = None
         if is_interactive(self.stream):
@@ -47,11 +52,14 @@ class EpochProgress:
             self._bar.update(1)
 
     def end_epoch(self, epoch: int, loss: float, val_bacc: float, imbalance: float) -> None:
-        """Show a finished epoch (0-based `epoch`): on the bar, or as one line of its own."""
+        """Show a finished epoch (0-based `epoch`, shown 1-based): on the bar, or as a line of its own
+        (the first, the last and every `every`-th)."""
         if self._bar is not None:
             self._bar.set_postfix(
-                epoch=epoch, loss=f"{loss:.3f}", val_bacc=f"{val_bacc:.3f}", imbalance=f"{imbalance:.2f}"
+                epoch=epoch + 1, loss=f"{loss:.3f}", val_bacc=f"{val_bacc:.3f}", imbalance=f"{imbalance:.2f}"
             )
+            return
+        if (epoch + 1) % self.every and epoch + 1 != self.epochs and epoch != 0:
             return
         self.stream.write(
             f"train epoch {epoch + 1}/{self.epochs}: loss {loss:.3f}, val balanced acc {val_bacc:.3f}, "

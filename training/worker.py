@@ -536,6 +536,8 @@ class Trainer:
             "input_noise": round(self.input_noise, 4),
             "weight_decay": round(self.weight_decay, 4),
             "best_epoch": self.best_epoch,
+            # Which weights the artifact holds: the best-scoring epoch's, or the last epoch's.
+            "weights_from": "best epoch" if self.best_state is not None else "final epoch",
             "mean_epoch_wall_s": float(np.mean([e["wall_s"] for e in epochs])) if epochs else 0.0,
             "mean_imbalance_ratio": float(np.mean([e["imbalance_ratio"] for e in epochs])) if epochs else 1.0,
         }

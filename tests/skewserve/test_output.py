@@ -115,7 +115,7 @@ def test_training_without_a_terminal_writes_one_line_per_epoch(tiny_data: Path, 
     epochs = [EPOCH_LINE.match(line) for line in res.stderr.splitlines()]
     assert [(m[1], m[2]) for m in epochs if m] == [("1", "3"), ("2", "3"), ("3", "3")], res.stderr
     assert (out / "metadata.json").is_file()
-    assert res.stdout.splitlines()[-1].startswith("epochs 3 (best "), res.stdout
+    assert res.stdout.splitlines()[-1].startswith("epochs 3 (kept "), res.stdout
 
 
 def run_on_a_terminal(args: list[str], env: dict[str, str], timeout_s: float = 600.0) -> tuple[int, str]:
