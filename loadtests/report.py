@@ -87,6 +87,20 @@ def check_slo(total: RowStats, slo: Slo) -> list[str]:
     return breaches
 
 
+def completed_rates(rows: list[dict[str, str]]) -> tuple[list[float], list[float]]:
+    """Requests and failures completed per second between history rows (from the running totals).
+
+    Locust's own `Requests/s` column is a rolling average over its last seconds: 0 for the first
+    two seconds of a run completing 1,200 requests/s. Differences of the totals are what happened.
+    """
+    req, fail = [0.0], [0.0]
+    for prev, cur in zip(rows, rows[1:], strict=False):
+        dt = max(1, int(cur["Timestamp"]) - int(prev["Timestamp"]))
+        req.append((_f(cur["Total Request Count"]) - _f(prev["Total Request Count"])) / dt)
+        fail.append((_f(cur["Total Failure Count"]) - _f(prev["Total Failure Count"])) / dt)
+    return req, fail
+
+
 def plot_history(prefix: Path, out: Path) -> None:
     """p50/p95/p99 and requests/s over time from `<prefix>_stats_history.csv` (aggregated rows)."""
     import matplotlib
@@ -106,8 +120,9 @@ def plot_history(prefix: Path, out: Path) -> None:
     ax1.set_ylabel("latency (ms)")
     ax1.legend()
     ax1.grid(alpha=0.3)
-    ax2.plot(t, [_f(r["Requests/s"]) for r in rows], label="requests/s", color="tab:green")
-    ax2.plot(t, [_f(r["Failures/s"]) for r in rows], label="failures/s", color="tab:red")
+    completed, failed = completed_rates(rows)
+    ax2.plot(t, completed, label="requests/s completed", color="tab:green")
+    ax2.plot(t, failed, label="failures/s", color="tab:red")
     ax2.set_ylabel("requests/s")
     users = ax2.twinx()
     users.plot(t, [_f(r["User Count"]) for r in rows], label="users", color="tab:gray", linestyle="--")

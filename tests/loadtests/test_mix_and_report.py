@@ -141,3 +141,14 @@ def test_the_readmes_example_slo_file_loads() -> None:
     root = Path(__file__).resolve().parents[2]
     assert "--slo loadtests/slo.example.yaml" in (root / "README.md").read_text()
     assert load_slo(root / "loadtests" / "slo.example.yaml") == Slo(p95_ms=250, p99_ms=500, error_rate=0.001)
+
+
+def test_the_rate_plot_counts_completed_requests_not_locusts_rolling_average() -> None:
+    from loadtests.report import completed_rates
+
+    rows = [
+        {"Timestamp": "100", "Requests/s": "0", "Total Request Count": "0", "Total Failure Count": "0"},
+        {"Timestamp": "101", "Requests/s": "0", "Total Request Count": "1200", "Total Failure Count": "0"},
+        {"Timestamp": "103", "Requests/s": "0", "Total Request Count": "3600", "Total Failure Count": "4"},
+    ]
+    assert completed_rates(rows) == ([0.0, 1200.0, 1200.0], [0.0, 0.0, 2.0])
