@@ -6,6 +6,7 @@ Writes `<out>/locust_stats.csv` (+ history, failures), `<out>/report.html` (locu
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -135,6 +136,14 @@ def run_loadtest(spec: LoadTestSpec) -> LoadTestResult:
         hit_rate = hits / (hits + misses) if hits + misses else None
         spill = after["spill"] - before["spill"]
     breaches = check_slo(total, spec.slo) if spec.slo else []
+    # What `skewserve plan --loadtest` reads besides locust's CSV: whether the cache served the run.
+    summary = {
+        "model": spec.mix.model,
+        "protocol": spec.protocol,
+        "cache_hit_rate": hit_rate,
+        "spillovers": spill,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     files = {
         "stats": Path(f"{prefix}_stats.csv"),
         "history": Path(f"{prefix}_stats_history.csv"),

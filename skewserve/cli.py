@@ -1046,6 +1046,7 @@ def plan_command(
         load_capacity,
         load_prices,
         load_traffic,
+        loadtest_warnings,
         make_plan,
         plot_plan,
     )
@@ -1071,6 +1072,8 @@ def plan_command(
     except PlanInputError as exc:
         error(exc)
         raise typer.Exit(2) from exc
+    for note in loadtest_warnings(loadtest_dir) if loadtest_dir is not None else []:
+        notice(note, "warning")
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(plan.summary(), indent=2))
     plot_plan(plan, out / "plan.png")

@@ -23,6 +23,7 @@ The instance type of a region is the one with the lowest on-demand price per uni
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,11 @@ class PriceTable(_Strict):
             return regional[instance_type]
         if instance_type in self.instance_types:
             return self.instance_types[instance_type]
-        raise PlanInputError(f"no price for instance type {instance_type!r}; add it under instance_types")
+        known = sorted(set(self.instance_types) | set(regional))
+        raise PlanInputError(
+            f"no price for instance type {instance_type!r} (the prices file has {known}): pass the "
+            "--instance-type the load test ran on, or add it under instance_types"
+        )
 
 
 class PlanOptions(_Strict):
@@ -245,6 +250,26 @@ def capacity_from_loadtest(
         instance_type=instance_type, servers=servers, rps=total.rps, p99_ms=max(total.p99_ms, 1e-9)
     )
     return capacity_from_measurements([m], slo_p99_ms)
+
+
+CACHE_DOMINATED = 0.5
+
+
+def loadtest_warnings(out_dir: Path) -> list[str]:
+    """Why a load test may not measure server capacity (its summary.json, when it has one)."""
+    path = out_dir / "summary.json"
+    if not path.is_file():
+        return [f"{path} is missing (a load test run before it was written): the cache hit rate is unknown"]
+    hit = json.loads(path.read_text()).get("cache_hit_rate")
+    if hit is None:
+        return ["the load test ran without --metrics-url: whether the gateway's cache answered it is unknown"]
+    if hit >= CACHE_DOMINATED:
+        return [
+            f"{100 * hit:.0f}% of the load test's requests were cache hits: its requests/s measure the "
+            "cache, not the servers. Measure capacity with the cache off, or --zipf 0 and --keys larger "
+            "than the run's requests"
+        ]
+    return []
 
 
 # -- the model --------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 import urllib.request
@@ -84,6 +85,8 @@ def test_bounded_run_has_zero_failures_and_writes_reports(
     before = _gateway_requests(stack)
     res = _loadtest(stack, protocol, tmp_path, "--shape", "ramp")
     assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())  # what `plan --loadtest` reads
+    assert summary["model"] == "lt" and 0 <= summary["cache_hit_rate"] <= 1
     served = _gateway_requests(stack) - before
     with open(tmp_path / "locust_stats.csv", newline="") as f:
         rows = {r["Name"]: r for r in csv.DictReader(f)}

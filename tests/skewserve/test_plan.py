@@ -121,6 +121,20 @@ def test_loadtest_result_is_read_as_a_measurement(tmp_path: Path) -> None:
         capacity_from_loadtest(tmp_path / "nope", 1, "x", 50)
 
 
+def test_a_cache_dominated_load_test_is_warned_about(tmp_path: Path) -> None:
+    """Issue 25 item 12: a run the cache answered does not measure the servers."""
+    from skewserve.plan import loadtest_warnings
+
+    assert "cache hit rate is unknown" in loadtest_warnings(tmp_path)[0]
+    (tmp_path / "summary.json").write_text('{"cache_hit_rate": 0.95}')
+    assert loadtest_warnings(tmp_path) == [
+        "95% of the load test's requests were cache hits: its requests/s measure the cache, not the "
+        "servers. Measure capacity with the cache off, or --zipf 0 and --keys larger than the run's requests"
+    ]
+    (tmp_path / "summary.json").write_text('{"cache_hit_rate": 0.1}')
+    assert loadtest_warnings(tmp_path) == []
+
+
 def test_bad_inputs_name_the_file_and_field(tmp_path: Path) -> None:
     bad = tmp_path / "traffic.yaml"
     bad.write_text(yaml.safe_dump({"regions": {"a": {"peak_rps": 10, "curve": [1.0] * 23}}}))
@@ -128,7 +142,11 @@ def test_bad_inputs_name_the_file_and_field(tmp_path: Path) -> None:
         PlanInputError, match=r"traffic.yaml: regions\.a\.curve: .*needs 24 hourly values, got 23"
     ):
         load_traffic(bad)
-    with pytest.raises(PlanInputError, match="no price for instance type 'z'"):
+    with pytest.raises(
+        PlanInputError,
+        match=r"no price for instance type 'z' \(the prices file has \[.*\]\): pass the --instance-type the "
+        "load test ran on, or add it under instance_types",
+    ):
         make_plan(TRAFFIC, {"z": 100.0}, PRICES, OPTS)
 
 
