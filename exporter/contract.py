@@ -45,11 +45,15 @@ class TensorSpec:
 class ServingContract:
     specs: tuple[InputSpec, ...]
     classes: tuple[str, ...]
+    # A table's column order: what each position of `features` means (served in the config).
+    feature_names: tuple[str, ...] = ()
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> ServingContract:
         return cls(
-            specs=tuple(InputSpec.from_dict(i) for i in meta["inputs"]), classes=tuple(meta["classes"])
+            specs=tuple(InputSpec.from_dict(i) for i in meta["inputs"]),
+            classes=tuple(meta["classes"]),
+            feature_names=tuple(meta.get("preprocessing", {}).get("feature_names", ())),
         )
 
     @classmethod

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tritonclient.grpc import model_config_pb2 as mc
+
 from exporter.errors import PublishError
 from exporter.triton_config import LOCAL_PROFILE, parse
 
@@ -137,12 +139,20 @@ def _check_compatible(model_dir: Path, new_local_config: str) -> None:
         return
     old, new = parse(existing.read_text()), parse(new_local_config)
 
-    def shape(cfg: object) -> list[tuple[str, int, tuple[int, ...]]]:
-        return [(t.name, t.data_type, tuple(t.dims)) for t in list(cfg.input) + list(cfg.output)]  # type: ignore[attr-defined]
+    def shape(cfg: object) -> list[str]:
+        # Readable as a user writes tensors: "features FP32 [16]", not protobuf enum numbers.
+        return [
+            f"{t.name} {mc.DataType.Name(t.data_type).removeprefix('TYPE_')} {list(t.dims)}"
+            for t in list(cfg.input) + list(cfg.output)  # type: ignore[attr-defined]
+        ]
 
-    if shape(old) != shape(new):
+    before, after = shape(old), shape(new)
+    if before != after:
+        changed = [f"{a} -> {b}" for a, b in zip(before, after, strict=False) if a != b]
+        if len(before) != len(after):
+            changed.append(f"{len(before)} tensors -> {len(after)}")
         raise PublishError(
-            f"the new version changes {model_dir.name}'s tensors ({shape(old)} -> {shape(new)}); versions of one "
+            f"the new version changes {model_dir.name}'s tensors ({'; '.join(changed)}); versions of one "
             "model share one config: publish it under a new --name"
         )
 

@@ -83,6 +83,9 @@ def _common(name: str, contract: ServingContract, opts: ConfigOptions) -> mc.Mod
             warm.inputs[spec.name].zero_data = True
     if opts.response_cache:
         cfg.response_cache.enable = True
+    if contract.feature_names:
+        # Clients read it from the model config endpoint (`parameters.feature_names`), not only the card.
+        cfg.parameters["feature_names"].string_value = ",".join(contract.feature_names)
     return cfg
 
 

@@ -57,6 +57,10 @@ def _setup_logging(verbose: bool) -> None:
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not verbose:
+        # The command prints what export and rollout did, once, for people; their INFO log lines
+        # (for services and logs) would say it a second time.
+        logging.getLogger("exporter").setLevel(logging.WARNING)
 
 
 def wait_for_interrupt(check: Any = None) -> None:

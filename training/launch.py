@@ -125,6 +125,9 @@ def train(cfg: TrainConfig, log_path: Path | None = None) -> dict[str, Any]:
         if proc.returncode != 0:
             hint = f"; see {log_path}" if log_path else ""
             raise TrainingError(f"torchrun exited with code {proc.returncode}{hint}")
+        # The workers' copy of the config, needed only while they run: the artifact's metadata.json
+        # records the run (a failed run keeps it, for --resume and for a look at what ran).
+        config_path.unlink(missing_ok=True)
     meta_path = cfg.out_dir / "metadata.json"
     if not meta_path.is_file() and cfg.nnodes > 1:
         # Global rank 0 writes the artifact; with a per-node --out it is on the node that held rank 0.

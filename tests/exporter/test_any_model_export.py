@@ -193,3 +193,31 @@ def test_raw_text_through_the_ensemble_equals_token_ids(topics_served) -> None:
 
     with pytest.raises(InferenceServerException, match=r"raw\[0\]: text is not UTF-8"):
         client.infer("topics_raw", [bad])
+
+
+def test_a_version_with_other_tensors_is_refused_naming_them_readably(
+    small_artifact: Path, mixed_artifact: Path, tmp_path: Path
+) -> None:
+    from exporter.errors import PublishError
+
+    export_artifact(small_artifact, tmp_path, "m", tensorrt="off")
+    with pytest.raises(
+        PublishError,
+        match=r"the new version changes m's tensors \(features FP32 \[8\] -> dense FP32 \[4\]; logits FP32 \[5\] -> "
+        r"flags BOOL \[3\];",
+    ):
+        export_artifact(mixed_artifact, tmp_path, "m", tensorrt="off")
+
+
+def test_export_prints_each_result_once(small_artifact: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "skewserve.cli", "export", "--artifact", str(small_artifact), "--repo",
+         str(tmp_path), "--name", "once", "--tensorrt", "off"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    everything = res.stdout + res.stderr
+    assert everything.count("published once version 1") == 1, everything

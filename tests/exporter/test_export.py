@@ -74,6 +74,13 @@ def test_http_and_grpc_outputs_equal_pytorch(served, small_artifact: Path) -> No
     np.testing.assert_allclose(half.as_numpy("probabilities"), want["probabilities"], atol=1e-2)
 
 
+def test_the_served_config_names_the_feature_order(served) -> None:
+    """Issue 25 item 11: clients learn what each position of `features` is from Triton itself."""
+    server, _ = served
+    config = httpclient.InferenceServerClient(server.http_address).get_model_config("lt")
+    assert config["parameters"]["feature_names"]["string_value"] == ",".join(f"f{i:02d}" for i in range(8))
+
+
 def test_classification_extension_returns_class_names(served, small_artifact: Path) -> None:
     server, _ = served
     x = _rows(2, seed=1)

@@ -31,6 +31,7 @@ def test_torchrun_two_ranks_writes_a_complete_artifact(small_data: Path, tmp_pat
     meta = train(cfg, log_path=tmp_path / "torchrun.log")
     for name in ("model.pt", "metadata.json", "metrics.json", "confusion_matrix.png", "checkpoints/last.pt"):
         assert (out / name).is_file(), name
+    assert not (out / "train_config.json").exists()  # the workers' copy is gone once they finished
     assert meta["format_version"] == 2
     assert meta["model"] == {"kind": "builtin", "name": "mlp", "args": meta["model"]["args"]}
     assert meta["inputs"] == [{"name": "features", "dtype": "float32", "shape": [8]}]
