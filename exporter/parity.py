@@ -76,6 +76,8 @@ def validation_batches(meta: dict[str, Any], max_batch: int, limit: int = PARITY
         image_size=None if size is None else int(size[0]),
         channels=pre.get("channels"),
         augment=False,
+        val_fraction=prov.get("val_fraction"),
+        seed=int(prov.get("seed", 0)),
     )
     val = SplitDataset(data.val, data.spec)
     sizes = batch_sizes(max_batch)

@@ -238,6 +238,10 @@ def data_topics(
 def data_inspect(
     data: Path = typer.Option(..., "--data", help="Directory with train/val[/test] .parquet or .csv."),
     label: str = typer.Option("label", "--label"),
+    val_fraction: float | None = typer.Option(
+        None, "--val-fraction", help="Tables without a val file: split this share of each class off train."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of the --val-fraction split (as `train --seed`)."),
 ) -> None:
     """Validate a data set as training would, and show each split's class counts and imbalance."""
     import numpy as np
@@ -246,7 +250,7 @@ def data_inspect(
     from training.errors import DataError
 
     try:
-        ds = open_data(data, label)
+        ds = open_data(data, label, val_fraction=val_fraction, seed=seed)
     except DataError as exc:
         error(exc)
         raise typer.Exit(1) from exc
@@ -303,6 +307,11 @@ def train_command(
     ),
     skip_bad_files: bool = typer.Option(
         False, "--skip-bad-files", help="Images: skip (and count) unreadable files instead of failing."
+    ),
+    val_fraction: float | None = typer.Option(
+        None,
+        "--val-fraction",
+        help="Tables without val.csv/.parquet: split this share of each class off train (stratified, by --seed).",
     ),
     data_workers: str = typer.Option(
         "auto",
@@ -418,6 +427,7 @@ def train_command(
             channels=channels,
             augment=augment,
             skip_bad_files=skip_bad_files,
+            val_fraction=val_fraction,
             data_workers=data_workers,  # type: ignore[arg-type]  # "auto" or a count, pydantic validates
             nproc=nproc,
             nnodes=nnodes,

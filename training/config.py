@@ -28,6 +28,12 @@ class TrainConfig(BaseModel):
     skip_bad_files: bool = Field(
         default=False, description="skip (and count) unreadable images instead of failing"
     )
+    val_fraction: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description="tables without a val file: split this share of each class off train",
+    )
     data_workers: int | Literal["auto"] = Field(
         default="auto",
         description="DataLoader worker processes per rank; auto: 0 for tables (in memory), else "

@@ -102,16 +102,44 @@ def _hash_frames(frames: list[pd.DataFrame]) -> str:
     return h.hexdigest()
 
 
+def split_off_validation(
+    df: pd.DataFrame, label: str, fraction: float, seed: int
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A stratified split: `fraction` of each class (at least one row of a class with two or more)
+    goes to validation, the rest stays for training; the same seed gives the same split."""
+    if not 0 < fraction < 1:
+        raise DataError(f"--val-fraction must be within (0, 1), got {fraction}")
+    if label not in df.columns:
+        raise DataError(f"train split has no label column {label!r}; columns are {list(df.columns)[:20]}")
+    rng = np.random.default_rng(seed)
+    val_rows: list[int] = []
+    for _, rows in df.groupby(df[label].astype(str), sort=True).indices.items():
+        rows = rng.permutation(rows)
+        n = int(round(len(rows) * fraction))
+        val_rows += list(rows[: max(n, 1) if len(rows) >= 2 else 0])
+    mask = np.zeros(len(df), dtype=bool)
+    mask[val_rows] = True
+    return df[~mask].reset_index(drop=True), df[mask].reset_index(drop=True)
+
+
 def load_dataset(
     train_path: Path,
-    val_path: Path,
+    val_path: Path | None,
     label: str = "label",
     test_path: Path | None = None,
+    val_fraction: float | None = None,
+    seed: int = 0,
 ) -> TabularDataset:
-    """Load train/val(/test) files; every problem is refused with the column, class or count at fault."""
+    """Load train/val(/test) files; every problem is refused with the column, class or count at fault.
+
+    Without a validation file, `val_fraction` of each training class is split off as validation."""
     train_df = read_table(train_path)
+    if val_path is None:
+        assert val_fraction is not None
+        train_df, val_df = split_off_validation(train_df, label, val_fraction, seed)
+    else:
+        val_df = read_table(val_path)
     features = _validate_frame(train_df, label, "train", None)
-    val_df = read_table(val_path)
     _validate_frame(val_df, label, "val", features)
     test_df = read_table(test_path) if test_path else None
     if test_df is not None:
@@ -149,8 +177,11 @@ def load_dataset(
     )
 
 
-def load_data_dir(data_dir: Path, label: str = "label") -> TabularDataset:
-    """Load `train`, `val` and optional `test` files (.parquet or .csv) from a directory."""
+def load_data_dir(
+    data_dir: Path, label: str = "label", val_fraction: float | None = None, seed: int = 0
+) -> TabularDataset:
+    """Load `train`, `val` and optional `test` files (.parquet or .csv) from a directory; with
+    `val_fraction` and no `val` file, validation is split off the training file (stratified)."""
     data_dir = Path(data_dir)
 
     def find(name: str, required: bool) -> Path | None:
@@ -158,20 +189,25 @@ def load_data_dir(data_dir: Path, label: str = "label") -> TabularDataset:
             if (data_dir / f"{name}{ext}").is_file():
                 return data_dir / f"{name}{ext}"
         if required:
-            raise DataError(f"{data_dir} has no {name}.parquet or {name}.csv")
+            hint = " (or pass --val-fraction to split it off train)" if name == "val" else ""
+            raise DataError(f"{data_dir} has no {name}.parquet or {name}.csv{hint}")
         return None
 
-    train, val = find("train", True), find("val", True)
-    assert train is not None and val is not None
-    return load_dataset(train, val, label=label, test_path=find("test", False))
+    train, val = find("train", True), find("val", val_fraction is None)
+    assert train is not None
+    if val is not None and val_fraction is not None:
+        raise DataError(f"{data_dir} has {val.name}: drop --val-fraction, or remove the file to split train")
+    return load_dataset(train, val, label, find("test", False), val_fraction, seed)
 
 
-def open_table(data_dir: Path, label: str = "label") -> LabelledData:
+def open_table(
+    data_dir: Path, label: str = "label", val_fraction: float | None = None, seed: int = 0
+) -> LabelledData:
     """A table data set as LabelledData: one float32 input `features`, standardisation stats."""
     from training.data_spec import DataSpec, InputSpec
     from training.datasets import LabelledData, class_warnings
 
-    ds = load_data_dir(data_dir, label)
+    ds = load_data_dir(data_dir, label, val_fraction, seed)
     from training.model import standardisation
 
     mean, std = standardisation(ds.train.features)

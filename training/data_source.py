@@ -14,13 +14,15 @@ def open_data(
     channels: int | None = None,
     augment: bool = True,
     skip_bad_files: bool = False,
+    val_fraction: float | None = None,
+    seed: int = 0,
 ) -> LabelledData:
     """Detect the layout (README, 'Bring your own data') and open it; DataError names what is wrong."""
     kind = detect_format(Path(data_dir))
     if kind == "table":
         from training.data import open_table
 
-        return open_table(data_dir, label)
+        return open_table(data_dir, label, val_fraction, seed)
     if kind == "tensors":
         from training.shards import open_shards
 

@@ -90,7 +90,16 @@ def preflight(cfg: TrainConfig) -> None:
     from training.datasets import SplitDataset
     from training.factory import build, check_output
 
-    data = open_data(cfg.data_dir, cfg.label_column, cfg.image_size, cfg.channels, False, cfg.skip_bad_files)
+    data = open_data(
+        cfg.data_dir,
+        cfg.label_column,
+        cfg.image_size,
+        cfg.channels,
+        False,
+        cfg.skip_bad_files,
+        cfg.val_fraction,
+        cfg.seed,
+    )
     for note in data.warnings:
         logger.warning("data: %s", note)
     args = dict(cfg.model_args)

@@ -64,6 +64,7 @@ from training.speed_balance import RankSpeedBalancer, slice_for_rank
 logger = logging.getLogger(__name__)
 # Fields whose change makes a checkpoint meaningless to resume.
 RESUME_KEYS = (
+    "val_fraction",
     "model",
     "model_args",
     "image_size",
@@ -208,7 +209,14 @@ class Trainer:
         omp = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         torch.set_num_threads(cfg.threads_per_rank or omp or max(1, (os.cpu_count() or 1) // cfg.nproc))
         self.data: LabelledData = open_data(
-            cfg.data_dir, cfg.label_column, cfg.image_size, cfg.channels, cfg.augment, cfg.skip_bad_files
+            cfg.data_dir,
+            cfg.label_column,
+            cfg.image_size,
+            cfg.channels,
+            cfg.augment,
+            cfg.skip_bad_files,
+            cfg.val_fraction,
+            cfg.seed,
         )
         if self.rank == 0:
             for note in self.data.warnings:
@@ -563,6 +571,7 @@ class Trainer:
                 # Absolute: export finds the validation samples for its parity gate from any directory.
                 "data_dir": str(Path(self.cfg.data_dir).resolve()),
                 "label_column": self.cfg.label_column,
+                "val_fraction": self.cfg.val_fraction,
                 "data_hash": self.data.data_hash,
                 "seed": self.cfg.seed,
                 "world_size": self.world,

@@ -92,7 +92,18 @@ def test_data_synth_then_inspect(tmp_path: Path) -> None:
     res = subprocess.run(
         [*SKEWSERVE, "data", "inspect", "--data", str(tmp_path)], capture_output=True, text=True
     )
-    assert (res.returncode, res.stdout) == (1, f"error: {tmp_path} has no val.parquet or val.csv\n")
+    assert (res.returncode, res.stdout) == (
+        1,
+        f"error: {tmp_path} has no val.parquet or val.csv (or pass --val-fraction to split it off train)\n",
+    )
+    res = subprocess.run(
+        [*SKEWSERVE, "data", "inspect", "--data", str(tmp_path), "--val-fraction", "0.25"],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {r[0]: r[1:] for r in table_rows(res.stdout)[1:]}
+    assert all(int(val) >= 1 for _train, val, *_ in rows.values()), res.stdout
 
 
 def test_triton_up_serves_until_interrupted(affine_repo: Path, tmp_path: Path) -> None:

@@ -181,3 +181,61 @@ def test_npy_rows_read_exactly_what_numpy_stored_and_refuse_what_they_cannot(tmp
     (tmp_path / "cut.npy").write_bytes(full[:-4])
     with pytest.raises(OSError, match=r"cut.npy: short read at row 4 \(the file is truncated\)"):
         NpyRows(tmp_path / "cut.npy").row(4)
+
+
+def test_val_fraction_splits_a_table_and_export_reproduces_the_split(
+    tmp_path: Path, small_data: Path
+) -> None:
+    """Issue 25 item 11 and 7: no val file needed; export finds the same validation rows from anywhere."""
+    import shutil
+
+    import pandas as pd
+
+    data = tmp_path / "only-train"
+    data.mkdir()
+    shutil.copy(small_data / "train.parquet", data / "train.parquet")
+    proc = _cli(
+        "train", "--data", str(data), "--out", "art", "--val-fraction", "0.2", "--epochs", "2", "--width", "16",
+        "--seed", "3", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    meta = __import__("json").loads((tmp_path / "art" / "metadata.json").read_text())
+    assert meta["provenance"]["val_fraction"] == 0.2 and Path(meta["provenance"]["data_dir"]).is_absolute()
+    rows = len(pd.read_parquet(data / "train.parquet"))
+    ds = open_data(data, val_fraction=0.2, seed=3)
+    assert len(ds.val) + len(ds.train) == rows and abs(len(ds.val) - 0.2 * rows) <= 5
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    export = _cli(
+        "export",
+        "--artifact",
+        str(tmp_path / "art"),
+        "--repo",
+        "repo",
+        "--name",
+        "t",
+        "--tensorrt",
+        "off",
+        cwd=elsewhere,
+    )
+    assert export.returncode == 0, export.stdout + export.stderr
+    assert f"over {len(ds.val)} rows" in export.stdout and "weakened" not in export.stdout
+
+
+def test_export_says_when_the_parity_gate_falls_back_to_synthetic_rows(
+    tmp_path: Path, small_artifact: Path
+) -> None:
+    import json
+    import shutil
+
+    art = tmp_path / "moved"
+    shutil.copytree(small_artifact, art)
+    meta = json.loads((art / "metadata.json").read_text())
+    meta["provenance"]["data_dir"] = str(tmp_path / "gone")
+    (art / "metadata.json").write_text(json.dumps(meta))
+    export = _cli(
+        "export", "--artifact", str(art), "--repo", "repo", "--name", "t", "--tensorrt", "off", cwd=tmp_path
+    )
+    assert export.returncode == 0, export.stdout + export.stderr
+    assert "notice: parity gate weakened: validation data at " in export.stdout
+    assert "parity used" in export.stdout and "synthetic rows only" in export.stdout
