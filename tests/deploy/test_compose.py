@@ -113,6 +113,17 @@ def test_gateway_gets_its_config_and_secrets_and_starts_after_its_dependencies(
     }
     grace = int(gw["stop_grace_period"].removesuffix("s"))
     assert grace > cfg.drain.grace_s + cfg.drain.timeout_s
+    # metrics and admin reachable from this host (README: ops access), never from outside it
+    # docker-compose v1 renders short syntax ("127.0.0.1:8082:8082"), v2 long syntax: read either.
+    ops = [
+        (p["host_ip"], str(p["published"]))
+        if isinstance(p, dict)
+        else tuple(p.rsplit(":", 1)[0].rsplit(":", 1))
+        for p in gw["ports"]
+        if int(str(p["target"] if isinstance(p, dict) else p.rsplit(":", 1)[1]).split("/")[0])
+        == cfg.listen.ops_port
+    ]
+    assert ops == [("127.0.0.1", "8082")]
 
 
 def test_every_bind_mount_exists_and_prometheus_config_passes_promtool(
