@@ -122,35 +122,18 @@ def test_a_model_with_the_wrong_output_shape_is_refused_before_training(
     (tmp_path / "mine.py").write_text(
         "from torch import nn\n\ndef build(data, hidden=4):\n    return nn.Sequential(nn.Linear(8, hidden), nn.Linear(hidden, 3))\n"
     )
-    proc = _cli(
-        "train",
-        "--data",
-        str(small_data),
-        "--out",
-        "a",
-        "--model",
-        "mine:build",
-        "--model-arg",
-        "hidden=6",
-        cwd=tmp_path,
-    )
+
+    def train_mine(arg: str) -> subprocess.CompletedProcess[str]:
+        args = ["train", "--data", str(small_data), "--out", "a", "--model", "mine:build", "--model-arg", arg]
+        return _cli(*args, cwd=tmp_path)
+
+    proc = train_mine("hidden=6")
     assert proc.returncode == 1
     assert (
         "error: model 'mine:build' returned float32 [4, 3] for a batch of features [4, 8] float32; it must "
         "return float logits shaped [batch, classes] = [4, 5]"
     ) in proc.stdout
-    proc = _cli(
-        "train",
-        "--data",
-        str(small_data),
-        "--out",
-        "a",
-        "--model",
-        "mine:build",
-        "--model-arg",
-        "depth=2",
-        cwd=tmp_path,
-    )
+    proc = train_mine("depth=2")
     assert "error: model factory 'mine:build' refused its arguments {'depth': 2}" in proc.stdout
     assert "it accepts ['hidden']" in proc.stdout
 
