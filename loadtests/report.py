@@ -117,7 +117,9 @@ def plot_history(prefix: Path, out: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for col, label in (("50%", "p50"), ("95%", "p95"), ("99%", "p99")):
         ax1.plot(t, [_f(r[col]) for r in rows], label=label)
-    ax1.set_ylabel("latency (ms)")
+    # Locust's running percentiles come from a histogram of whole milliseconds (10 ms steps above
+    # 100 ms): the steps in the lines are its resolution, said on the axis rather than smoothed away.
+    ax1.set_ylabel("latency (ms, locust's whole-ms buckets)")
     ax1.legend()
     ax1.grid(alpha=0.3)
     completed, failed = completed_rates(rows)
