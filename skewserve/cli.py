@@ -282,8 +282,8 @@ def train_command(
     data: Path = typer.Option(
         ...,
         "--data",
-        help="train/val[/test] .parquet or .csv (tables), train/<class>/<images> (image folders), or "
-        "train/labels.npy + <input>.npy (tensor shards); README, 'Bring your own data'.",
+        help="Directory with train/val[/test] .parquet or .csv. Or image folders (train/<class>/<images>) "
+        "or tensor shards (train/labels.npy + <input>.npy); README, 'Bring your own data'.",
     ),
     out: Path = typer.Option(Path("runs/artifact"), "--out", help="Artifact directory (checkpoints inside)."),
     label: str = typer.Option("label", "--label"),

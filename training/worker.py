@@ -292,6 +292,12 @@ class Trainer:
         # Batches are read by DataLoader workers (tables: in this process), pinned on CUDA and copied
         # non_blocking; the batch sampler hands out this rank's share of each global batch.
         self.workers = resolve_workers(cfg, spec.kind)
+        if self.world > 1:
+            # The loader draws a step's indices (and so its rank-speed split) a fixed number of steps
+            # ahead, workers x prefetch; every rank must draw at the same lag, or their slices of one
+            # global batch would come from different splits. Nodes with other core counts agree on
+            # the smallest count.
+            self.workers = int(_all_gather_floats([float(self.workers)], self.world, self.device).min())
         self.epoch_batches = EpochBatches(self)
         self.loader = torch.utils.data.DataLoader(
             self.train_set,

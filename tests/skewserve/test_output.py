@@ -73,7 +73,7 @@ def test_error_naming_a_path_with_brackets_prints_it_verbatim(tmp_path: Path, co
     missing = tmp_path / "x[/test]" / "data"
     res = run(*command, "--data", str(missing))
     # Before: rich.errors.MarkupError "closing tag '[/test]'" and a traceback instead of this line.
-    assert (res.returncode, res.stdout) == (1, f"error: {missing} has no train.parquet or train.csv\n"), (
+    assert (res.returncode, res.stdout) == (1, f"error: data directory {missing} does not exist\n"), (
         res.stderr
     )
 
@@ -188,6 +188,7 @@ def test_export_without_a_terminal_prints_exact_lines(small_artifact: Path, tmp_
     ), lines[0]
     assert lines[1] == f"published m version 1 at {repo / 'm' / '1'}"
     assert sorted(p.name for p in (repo / "m" / "1").iterdir()) == [
+        "batching.py",
         "model.onnx",
         "model.py",
         "model_card.json",
