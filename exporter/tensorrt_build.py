@@ -210,11 +210,10 @@ def profile_shapes(
         ranges = iter(spec.ranges)
         lo, opt, hi = [1], [opt_batch], [max_batch]
         for d in spec.dims:
-            if d == -1:
-                r = next(ranges, DEFAULT_DYNAMIC_RANGE)
-                lo.append(r[0]), opt.append(r[1]), hi.append(r[2])
-            else:
-                lo.append(d), opt.append(d), hi.append(d)
+            r = next(ranges, DEFAULT_DYNAMIC_RANGE) if d == -1 else (d, d, d)
+            lo.append(r[0])
+            opt.append(r[1])
+            hi.append(r[2])
         shapes[spec.name] = (tuple(lo), tuple(opt), tuple(hi))
     return shapes
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -26,7 +26,8 @@ Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 class Split(Protocol):
     """One split: labels as int64 class indices, items read on demand."""
 
-    labels: np.ndarray
+    @property
+    def labels(self) -> np.ndarray: ...
 
     def __len__(self) -> int: ...
 
@@ -71,7 +72,8 @@ def stack_padded(items: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def identity_collate(batch: Batch) -> Batch:
+def identity_collate(batch: Any) -> Any:
+    """The DataLoader's collate step: `__getitems__` already built the batch."""
     return batch
 
 

@@ -62,7 +62,7 @@ def _load_user_factory(name: str) -> tuple[Factory, dict[str, Any]]:
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)
-            record = {"kind": "file", "file": str(path)}
+            record: dict[str, Any] = {"kind": "file", "file": str(path)}
         else:
             if str(Path.cwd()) not in sys.path:
                 sys.path.insert(0, str(Path.cwd()))  # a module beside the user, as `python -m` finds it

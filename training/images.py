@@ -162,10 +162,10 @@ def open_images(
         for s, (files, _, _) in scanned.items()
     }
     mean, std = _channel_stats(splits["train"])
-    h = hashlib.sha256()
+    digest = hashlib.sha256()
     for s, sp in splits.items():
         for p, y in zip(sp.paths, sp.labels, strict=True):
-            h.update(f"{s}/{p.relative_to(data_dir)}:{p.stat().st_size}:{y}\n".encode())
+            digest.update(f"{s}/{p.relative_to(data_dir)}:{p.stat().st_size}:{y}\n".encode())
     train_counts = np.bincount(splits["train"].labels, minlength=len(classes))
     spec = DataSpec(
         kind="images",
@@ -183,7 +183,9 @@ def open_images(
         },
     )
     warnings = tuple(notes + class_warnings({s: sp.labels for s, sp in splits.items()}, classes))
-    return LabelledData(spec, splits["train"], splits["val"], splits.get("test"), h.hexdigest(), warnings)
+    return LabelledData(
+        spec, splits["train"], splits["val"], splits.get("test"), digest.hexdigest(), warnings
+    )
 
 
 def _channel_stats(split: ImageSplit) -> tuple[list[float], list[float]]:

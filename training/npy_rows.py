@@ -21,7 +21,12 @@ class NpyRows:
         self.path = Path(path)
         with open(self.path, "rb") as f:
             version = np.lib.format.read_magic(f)
-            shape, fortran, dtype = np.lib.format._read_array_header(f, version)  # noqa: SLF001 - numpy's own reader
+            read_header = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, fortran, dtype = read_header(f)
             self.offset = f.tell()
         if fortran and len(shape) > 1:
             raise ValueError(
