@@ -15,7 +15,10 @@ import triton_python_backend_utils as pb_utils
 
 
 def stack_padded(items):
-    """Stack items, zero-padding dynamic dimensions to the largest (as training's batches are)."""
+    """Stack items, zero-padding dynamic dimensions to the largest (as training's batches are).
+
+    The same rule as `training.datasets.stack_padded`, restated because this file runs alone in
+    Triton's Python backend, where training/ (and torch) cannot be imported."""
     shape = tuple(max(x.shape[d] for x in items) for d in range(items[0].ndim))
     out = np.zeros((len(items), *shape), dtype=items[0].dtype)
     for i, x in enumerate(items):

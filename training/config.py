@@ -153,6 +153,15 @@ class TrainConfig(BaseModel):
             )
         return self
 
+    def factory_args(self, input_noise: float | None = None) -> dict[str, Any]:
+        """The model factory's arguments: --model-arg, over the mlp shortcuts (and its input noise)."""
+        if self.model != "mlp":
+            return dict(self.model_args)
+        shortcuts: dict[str, Any] = {"width": self.width, "depth": self.depth, "dropout": self.dropout}
+        if input_noise is not None:
+            shortcuts["input_noise"] = input_noise
+        return shortcuts | self.model_args
+
     @property
     def world_size(self) -> int:
         return self.nproc * self.nnodes

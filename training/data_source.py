@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from training.datasets import LabelledData, detect_format
+
+if TYPE_CHECKING:
+    from training.config import TrainConfig
 
 
 def open_data(
@@ -30,3 +34,17 @@ def open_data(
     from training.images import open_images
 
     return open_images(data_dir, image_size, channels, augment, skip_bad_files)
+
+
+def open_configured(cfg: TrainConfig, augment: bool | None = None) -> LabelledData:
+    """The data a training config names, read as its workers read it (`augment` overrides the config's)."""
+    return open_data(
+        cfg.data_dir,
+        cfg.label_column,
+        cfg.image_size,
+        cfg.channels,
+        cfg.augment if augment is None else augment,
+        cfg.skip_bad_files,
+        cfg.val_fraction,
+        cfg.seed,
+    )

@@ -86,26 +86,14 @@ def preflight(cfg: TrainConfig) -> None:
     """
     import numpy as np
 
-    from training.data_source import open_data
+    from training.data_source import open_configured
     from training.datasets import SplitDataset
     from training.factory import build, check_output
 
-    data = open_data(
-        cfg.data_dir,
-        cfg.label_column,
-        cfg.image_size,
-        cfg.channels,
-        False,
-        cfg.skip_bad_files,
-        cfg.val_fraction,
-        cfg.seed,
-    )
+    data = open_configured(cfg, augment=False)
     for note in data.warnings:
         logger.warning("data: %s", note)
-    args = dict(cfg.model_args)
-    if cfg.model == "mlp":
-        args = {"width": cfg.width, "depth": cfg.depth, "dropout": cfg.dropout} | args
-    model, _ = build(cfg.model, args, data.spec)
+    model, _ = build(cfg.model, cfg.factory_args(), data.spec)
     probe = SplitDataset(data.train, data.spec).__getitems__(list(np.arange(min(4, len(data.train)))))
     check_output(model, probe[0], data.spec, cfg.model)
 

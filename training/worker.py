@@ -38,7 +38,7 @@ from training.budget import (
 )
 from training.checkpoint import load_newest_checkpoint, save_checkpoint
 from training.config import TrainConfig
-from training.data_source import open_data
+from training.data_source import open_configured
 from training.datasets import Batch, LabelledData, SplitDataset, identity_collate
 from training.device import (
     Placement,
@@ -208,16 +208,7 @@ class Trainer:
         # An explicit OMP_NUM_THREADS (the launcher's or the user's) wins over the per-node split.
         omp = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         torch.set_num_threads(cfg.threads_per_rank or omp or max(1, (os.cpu_count() or 1) // cfg.nproc))
-        self.data: LabelledData = open_data(
-            cfg.data_dir,
-            cfg.label_column,
-            cfg.image_size,
-            cfg.channels,
-            cfg.augment,
-            cfg.skip_bad_files,
-            cfg.val_fraction,
-            cfg.seed,
-        )
+        self.data: LabelledData = open_configured(cfg)
         if self.rank == 0:
             for note in self.data.warnings:
                 logger.warning("data: %s", note)
@@ -234,10 +225,7 @@ class Trainer:
             # The ridge-like auto settings are fitted to tables; images get augmentation instead.
             self.input_noise = 0.0 if cfg.input_noise == "auto" else float(cfg.input_noise)
             self.weight_decay = 0.05 if cfg.weight_decay == "auto" else float(cfg.weight_decay)
-        self.model_args: dict[str, Any] = dict(cfg.model_args)
-        if cfg.model == "mlp":
-            shortcuts = {"width": cfg.width, "depth": cfg.depth, "dropout": cfg.dropout}
-            self.model_args = shortcuts | {"input_noise": self.input_noise} | self.model_args
+        self.model_args = cfg.factory_args(input_noise=self.input_noise)
         torch.manual_seed(cfg.seed)
         model, self.model_record = build_model(cfg.model, self.model_args, spec)
         probe = self.train_set.__getitems__(list(range(min(4, n_rows))))
