@@ -18,6 +18,9 @@ VENV_LATEST := .venv-latest
 # torch's CPU build comes from this machine's pip configuration (find-links); same pin as the lock's.
 TORCH_PIN := $(shell grep -E '^torch==' requirements.in)
 PYTEST_ARGS ?=
+# Test files run in parallel, one file per worker at a time (`--dist loadfile` keeps a file's shared
+# Triton fleet in one worker); most tests wait on the processes they start rather than on the CPU.
+TEST_WORKERS ?= 3
 LOCK_ARGS ?=
 
 .PHONY: setup demo test test-latest lock lock-upgrade lint bench-training bench-gateway clean
@@ -66,7 +69,7 @@ demo: setup
 	$(BIN)/skewserve demo
 
 test: setup
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=10 $(PYTEST_ARGS)
 
 # The suite against the newest versions pyproject.toml allows (torch stays the CPU build), in a fresh
 # venv of its own, so drift shows up here before a fresh install meets it. The lock check is the one
@@ -82,7 +85,7 @@ test-latest: $(APT_STAMP)
 	  <(grep -E '^[a-zA-Z0-9]' $(LOCK) | sed -E 's/ .*//; s/==/ /' | awk "$$norm" | sort -k1,1) \
 	  <($(VENV_LATEST)/bin/python -m pip freeze --all --exclude-editable | sed -E 's/==/ /' | awk "$$norm" | sort -k1,1) \
 	  | awk '$$1 != $$2 {print "  " $$3 " " $$1 " -> " $$2}'
-	$(VENV_LATEST)/bin/python -m pytest -q -ra --deselect tests/test_lock.py::test_installed_versions_are_the_locked_ones $(PYTEST_ARGS)
+	$(VENV_LATEST)/bin/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=10 --deselect tests/test_lock.py::test_installed_versions_are_the_locked_ones $(PYTEST_ARGS)
 
 $(TOOLS)/bin/pip-compile:
 	$(PYTHON) -m venv $(TOOLS)

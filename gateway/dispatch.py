@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Generic, TypeVar
 
 from gateway.config import GatewayConfig
@@ -87,6 +87,16 @@ class Outcome(Generic[T]):
         self.value = value
         self.route = route
         self.attempts = attempts
+
+
+HEDGE_MIN_SAMPLES = 8
+
+
+def hedge_delay(servers: Iterable[UpstreamServer], floor_s: float) -> float:
+    """How long a hedged request waits before its second copy: the lowest recent p95 among the
+    servers with enough samples (the request class's expected p95), never below `floor_s`."""
+    p95s = [s.latency.p95() for s in servers if s.latency.samples >= HEDGE_MIN_SAMPLES]
+    return max(floor_s, min(p95s) if p95s else 0.0)
 
 
 class Dispatcher:
@@ -226,8 +236,7 @@ class Dispatcher:
         Returns the first successful answer and the route that produced it. Whatever way this
         returns or is cancelled (the client gave up), no copy is left running.
         """
-        p95s = [s.latency.p95() for s in self.router.servers() if s.latency.samples >= 8]
-        delay = max(self.cfg.hedging.min_delay_ms / 1000, min(p95s) if p95s else 0.0)
+        delay = hedge_delay(self.router.servers(), self.cfg.hedging.min_delay_ms / 1000)
         primary: asyncio.Future[T] = asyncio.ensure_future(self._timed(first, attempt, deadline, model))
         pending: set[asyncio.Future[T]] = {primary}
         try:

@@ -49,11 +49,12 @@ def merge_expositions(texts: dict[str, str]) -> str:
             except ValueError:
                 continue
             series = samples.setdefault(family, {})
-            if kinds.get(family) not in _ADDITIVE:
+            created = key.split("{", 1)[0].endswith("_created") and _counts(family, kinds)
+            if kinds.get(family) not in _ADDITIVE and not created:
                 series[_with_worker(key, worker)] = value
             elif key not in series:
                 series[key] = value
-            elif key.split("{", 1)[0].endswith("_created"):
+            elif created:
                 series[key] = min(series[key], value)
             else:
                 series[key] += value
@@ -62,6 +63,16 @@ def merge_expositions(texts: dict[str, str]) -> str:
         out += heads.get(family, [])
         out += [f"{key} {_number(value)}" for key, value in series.items()]
     return "\n".join(out) + "\n"
+
+
+def _counts(family: str, kinds: dict[str, str]) -> bool:
+    """True for a counting family, and for the `<family>_created` gauge family that prometheus_client
+    writes beside each one in the 0.0.4 text format (a start time: the earliest wins, no worker label)."""
+    if kinds.get(family) in _ADDITIVE:
+        return True
+    base = family.removesuffix("_created")
+    # a counter's TYPE line names `<base>_total` in the 0.0.4 format, a histogram's just `<base>`
+    return base != family and (kinds.get(base) in _ADDITIVE or kinds.get(f"{base}_total") in _ADDITIVE)
 
 
 def _number(value: float) -> str:

@@ -32,7 +32,7 @@ from skewserve.autoscale import (
     parse_triton_metrics,
 )
 from skewserve.loopback_dns import LoopbackDns
-from skewserve.ports import free_port, port_is_free
+from skewserve.ports import consecutive_free_ports
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
 
@@ -52,11 +52,8 @@ class ScalePoint:
 
 def shared_ports(hosts: list[str]) -> tuple[int, int, int]:
     """Three consecutive ports free on every host (every server of a region uses the same ports)."""
-    for _ in range(100):
-        base = free_port(hosts[0])
-        if base + 2 < 65536 and all(port_is_free(base + i, h) for h in hosts for i in range(3)):
-            return base, base + 1, base + 2
-    raise RuntimeError(f"no three consecutive ports free on all of {hosts}; free some ports and retry")
+    http, grpc, metrics = consecutive_free_ports(hosts, 3)
+    return http, grpc, metrics
 
 
 class RegionAutoscaler:

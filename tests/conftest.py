@@ -6,13 +6,44 @@ from pathlib import Path
 
 import pytest
 
+from skewserve.ports import PORT_RANGE_ENV
 from skewserve.triton_dist import PreparedTriton, prepare_triton
 from tests.fixtures_models import write_affine_model
+
+# Each pytest-xdist worker (and a run without xdist, as worker 0) draws the ports of the servers its
+# tests start from a block of its own below the kernel's ephemeral range: no other worker, and no
+# `bind(0)` or outgoing connection anywhere on the machine, can take a port between its choice and
+# the server's bind (skewserve/ports.py).
+_PORTS_BELOW = 10_000
+_PORTS_PER_WORKER = 1_500
+
+
+def _worker_port_range() -> str:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker.removeprefix("gw")) if worker.removeprefix("gw").isdigit() else 0
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    low = _PORTS_BELOW + index * _PORTS_PER_WORKER
+    high = low + _PORTS_PER_WORKER - 1
+    if high >= ephemeral_low:
+        raise RuntimeError(
+            f"pytest-xdist worker {worker}: its ports {low}-{high} reach the kernel's ephemeral range "
+            f"(from {ephemeral_low}); run with fewer workers (-n)"
+        )
+    return f"{low}-{high}"
+
+
+os.environ[PORT_RANGE_ENV] = _worker_port_range()
 
 
 @pytest.fixture(scope="session")
 def prepared_triton(tmp_path_factory: pytest.TempPathFactory) -> PreparedTriton:
-    os.environ.setdefault("SKEWSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    # One prepared copy for the whole run: the workers' temporary roots share a parent, and
+    # prepare_triton renames a finished copy into place, so concurrent workers never see half of one.
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent
+    os.environ.setdefault("SKEWSERVE_CACHE_DIR", str(shared / "triton-cache"))
     return prepare_triton()
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from skewserve.ports import free_port
 from tests.waiting import wait_until
 
 CREDENTIALS = {
@@ -23,12 +24,6 @@ CREDENTIALS = {
     "AWS_SECRET_ACCESS_KEY": "test-secret-key",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -17,6 +17,20 @@ from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
 
 
+def _copy_with_scaled_weights(src: Path, dest: Path, factor: float) -> None:
+    """A complete version whose ONNX weights are all scaled: it loads and serves, with other outputs."""
+    import onnx
+    from onnx import numpy_helper
+
+    shutil.copytree(src, dest)
+    model = onnx.load(str(dest / "model.onnx"))
+    for init in model.graph.initializer:
+        w = numpy_helper.to_array(init)
+        if w.dtype.kind == "f":
+            init.CopyFrom(numpy_helper.from_array((w * factor).astype(w.dtype), init.name))
+    onnx.save(model, str(dest / "model.onnx"))
+
+
 @pytest.mark.slow
 def test_rollout_with_live_traffic_then_broken_version_rolls_back(
     small_artifact: Path, tmp_path: Path, prepared_triton: PreparedTriton
@@ -75,6 +89,21 @@ def test_rollout_with_live_traffic_then_broken_version_rolls_back(
         assert not httpclient.InferenceServerClient(servers[1].http_address).is_model_ready(
             "lt", "3"
         )  # never reached
+
+        # a wrong version 4: loads and answers, but not what the exporter recorded (weights scaled);
+        # the unloadable version 3 is withdrawn from the repository first, as an operator would
+        shutil.rmtree(repo / "lt" / "3")
+        _copy_with_scaled_weights(repo / "lt" / "2", repo / "lt" / "4", factor=3.0)
+        with pytest.raises(
+            RolloutError,
+            match=rf"(?s)^{urls[0]}: canary for lt version 4 differs from the exporter's reference by .*"
+            r"pinned back to version\(s\) 1, 2",
+        ):
+            rollout("lt", 4, urls, repo)
+        for s in servers:
+            c = httpclient.InferenceServerClient(s.http_address)
+            assert c.is_model_ready("lt", "2") and not c.is_model_ready("lt", "4")
+        c0.infer("lt", [inp])  # still serving
     finally:
         for s in servers:
             s.stop()

@@ -21,11 +21,18 @@ class TcpRelay:
         self.released = threading.Event()
         if not hold:
             self.released.set()
+        self.hold_new = hold  # connections opened while this is set wait for `release()`
+        self._open = threading.Event()
+        self._open.set()
         self.closing = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def release(self) -> None:
         self.released.set()
+
+    def pass_new(self) -> None:
+        """Relay connections opened from now on at once; those already held stay held until release()."""
+        self.hold_new = False
 
     def _accept(self) -> None:
         while not self.closing:
@@ -34,16 +41,17 @@ class TcpRelay:
             except OSError:
                 return
             upstream = socket.create_connection(self.target)
-            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
+            gate = self.released if self.hold_new else self._open
+            threading.Thread(target=self._pipe, args=(client, upstream, True, gate), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, False, gate), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, to_triton: bool) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, to_triton: bool, gate: threading.Event) -> None:
         try:
             while chunk := src.recv(65536):
                 if to_triton:
                     with self.lock:
                         self.sent += chunk
-                    self.released.wait(60)  # bounded: a test that forgets to release still ends
+                    gate.wait(60)  # bounded: a test that forgets to release still ends
                 dst.sendall(chunk)
         except OSError:
             pass

@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections import Counter
+from typing import Any
 
 BODY = json.dumps(
     {"inputs": [{"name": "features", "datatype": "FP32", "shape": [2, 8], "data": [0.5] * 16}]}
 ).encode()
+
+
+def check_infer_answer(body: bytes, rows: int) -> None:
+    """Raise unless `body` is a whole KServe v2 answer for `rows` items: truncated or partial answers
+    count as failures, not as served requests."""
+    answer: dict[str, Any] = json.loads(body)
+    outputs = answer.get("outputs")
+    if not outputs:
+        raise ValueError(f"answer without outputs: {body[:200]!r}")
+    for out in outputs:
+        shape, data = out["shape"], out["data"]
+        if shape[0] != rows or len(data) != math.prod(shape):
+            raise ValueError(f"output {out['name']}: shape {shape} with {len(data)} values for {rows} rows")
 
 
 class SteadyLoad:
@@ -46,12 +60,14 @@ class SteadyLoad:
             req = urllib.request.Request(self.url, data=BODY, headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=10) as r:
-                    r.read()
+                    check_infer_answer(r.read(), rows=2)
                     server = r.headers.get("x-skewserve-server", "")
                 with self.lock:
                     self.by_server[server] += 1
                     self.log.append((sent, server))
-            except (urllib.error.URLError, OSError) as exc:
+            # Anything at all (a truncated body's IncompleteRead, a malformed answer) is a failure
+            # that the test sees; the thread goes on sending.
+            except Exception as exc:
                 with self.lock:
                     self.failed.append(repr(exc))
 

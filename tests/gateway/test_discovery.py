@@ -18,7 +18,8 @@ import dns.rdatatype
 import dns.rrset
 import pytest
 
-from skewserve.ports import free_port, port_is_free
+from skewserve.local_autoscale import shared_ports
+from skewserve.ports import free_port
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
 from tests.gateway.conftest import GatewayUnderTest, launch_gateway, wait_until
@@ -66,21 +67,12 @@ def loopback_dns() -> Iterator[LoopbackDns]:
     server.close()
 
 
-def _shared_ports(hosts: list[str]) -> tuple[int, int, int]:
-    """Three consecutive ports free on every host: pods of one Service listen on the same ports."""
-    for _ in range(50):
-        base = free_port(hosts[0])
-        if base + 2 < 65536 and all(port_is_free(base + i, h) for h in hosts for i in range(3)):
-            return base, base + 1, base + 2
-    raise AssertionError("no common free ports on the loopback addresses")
-
-
 @pytest.mark.slow
 def test_servers_join_and_leave_through_dns_under_load_with_zero_failed_requests(
     gateway_repo: Path, prepared_triton: PreparedTriton, loopback_dns: LoopbackDns, tmp_path: Path
 ) -> None:
     hosts = ["127.0.0.2", "127.0.0.3"]
-    http_port, grpc_port, metrics_port = _shared_ports(hosts)
+    http_port, grpc_port, metrics_port = shared_ports(hosts)
     servers = {
         h: TritonServer(
             TritonServerSpec(
@@ -194,7 +186,7 @@ def test_region_needs_servers_or_discovery_and_a_nameserver_is_host_port(tmp_pat
 def _pods(
     repo: Path, prepared: PreparedTriton, hosts: list[str], logs: Path
 ) -> tuple[dict[str, TritonServer], tuple[int, int, int]]:
-    ports = _shared_ports(hosts)
+    ports = shared_ports(hosts)
     servers = {
         h: TritonServer(
             TritonServerSpec(

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -22,31 +22,42 @@ BODY = json.dumps(
 DELAY_S = 0.3
 
 
+HUNG_S = 60.0  # longer than any test waits: a server behind this never answers in time, whatever the load
+
+
 @pytest.fixture()
-def slow_pair(fleet) -> Iterator[dict[str, list[tuple[str, str, str]]]]:
-    """us-east: one direct server and the other behind a proxy adding 300 ms to each response."""
-    fast, slow = fleet["us-east"]
-    ports = (free_port(), free_port())
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "loadtests.delay_proxy", str(p), str(t), str(DELAY_S)])
-        for p, t in zip(ports, (slow.http_port, slow.grpc_port), strict=True)
-    ]
-    for port in ports:
-        wait_until(lambda port=port: _accepts(port), 10, f"the delay proxy on port {port}")
-    yield {
-        "us-east": [
-            ("fast", fast.http_address, fast.grpc_address),
-            ("slow", f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"),
-        ]
-    }
+def make_pair(fleet) -> Iterator[Callable[[float], dict[str, list[tuple[str, str, str]]]]]:
+    """us-east: one direct server and the other behind proxies adding `delay_s` to each response."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def make(delay_s: float) -> dict[str, list[tuple[str, str, str]]]:
+        """HTTP: only inference answers are delayed (probes, over HTTP, pass at once); gRPC: all."""
+        fast, slow = fleet["us-east"]
+        ports = (free_port(), free_port())
+        for p, t, mode in zip(ports, (slow.http_port, slow.grpc_port), (["--only-infer"], []), strict=True):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "loadtests.delay_proxy", str(p), str(t), str(delay_s), *mode]
+                )
+            )
+        for port in ports:
+            wait_until(lambda port=port: _accepts(port), 10, f"the delay proxy on port {port}")
+        return {
+            "us-east": [
+                ("fast", fast.http_address, fast.grpc_address),
+                ("slow", f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"),
+            ]
+        }
+
+    yield make
     for p in procs:
         p.kill()
         p.wait(5)
 
 
 def _config(servers: dict[str, list[tuple[str, str, str]]], **overrides: object) -> dict:
-    # Probes cross the delaying proxy too (several round trips on a new gRPC connection).
-    overrides = {"health": {"timeout_s": 5.0, "interval_s": 0.5}, **overrides}
+    # Probes go over HTTP, which the proxy delays only for inference answers.
+    overrides = {"upstream_protocol": "http", "health": {"timeout_s": 5.0, "interval_s": 0.5}, **overrides}
     cfg = gateway_config({}, **overrides)
     cfg["regions"] = [
         {"name": r, "servers": [{"name": n, "http": h, "grpc": g} for n, h, g in s]}
@@ -75,25 +86,29 @@ def _hedges(gw) -> float:
     return float(lines[0].split()[-1]) if lines else 0.0
 
 
-def test_hedged_requests_do_not_wait_for_the_slow_server(slow_pair, make_gateway) -> None:
+def test_hedged_requests_do_not_wait_for_the_slow_server(make_pair, make_gateway) -> None:
+    # The slow server never answers in time: every answer from it would be a missing hedge.
     gw = make_gateway(
         _config(
-            slow_pair,
+            make_pair(HUNG_S),
             balancing={"policy": "round_robin"},
             hedging={"models": ["lt_nocache"], "min_delay_ms": 20},
         )
     )
-    results = [_post(gw.http) for _ in range(12)]
-    assert [status for status, _ in results] == [200] * 12
+    results = [_post(gw.http) for _ in range(24)]
+    assert [status for status, _ in results] == [200] * 24
     # Round robin sent primaries to the slow server too (it counts them), yet every answer came from
     # the fast one: each request routed to the slow server was hedged and the hedge won the race.
-    assert gw.server("slow")["requests"] >= 6
-    assert [headers["x-skewserve-server"] for _, headers in results] == ["fast"] * 12
-    assert _hedges(gw) >= 6
+    assert gw.server("slow")["requests"] >= 12
+    assert [headers["x-skewserve-server"] for _, headers in results] == ["fast"] * 24
+    assert _hedges(gw) >= 12
+    # The later hedges waited the fast server's observed p95, not the 20 ms floor (dispatch.hedge_delay):
+    # it had the samples for it.
+    assert gw.server("fast")["latency_samples"] >= 8 + 4
 
 
-def test_without_hedging_round_robin_waits_for_the_slow_server(slow_pair, make_gateway) -> None:
-    gw = make_gateway(_config(slow_pair, balancing={"policy": "round_robin"}))
+def test_without_hedging_round_robin_waits_for_the_slow_server(make_pair, make_gateway) -> None:
+    gw = make_gateway(_config(make_pair(DELAY_S), balancing={"policy": "round_robin"}))
     answered_by = [_post(gw.http)[1]["x-skewserve-server"] for _ in range(6)]
     # The contrast that makes the test above meaningful: without hedging the slow server's (late)
     # answers reach the client, every other one under round robin.
@@ -101,15 +116,15 @@ def test_without_hedging_round_robin_waits_for_the_slow_server(slow_pair, make_g
     assert _hedges(gw) == 0
 
 
-def test_deadline_header_bounds_the_wait_with_504(slow_pair, make_gateway) -> None:
-    only_slow = {"us-east": [slow_pair["us-east"][1]]}
+def test_deadline_header_bounds_the_wait_with_504(make_pair, make_gateway) -> None:
+    only_slow = {"us-east": [make_pair(HUNG_S)["us-east"][1]]}
     # Timeouts count as failures: keep the lone server in rotation for this test's several timeouts.
     gw = make_gateway(
         _config(
             only_slow, retries={"max_attempts": 1}, health={"timeout_s": 5.0, "eject_after_failures": 100}
         )
     )
-    # The only server answers after DELAY_S (300 ms): a 504 can only come from the 100 ms deadline.
+    # The only server never answers in time: a 504 can only come from the 100 ms deadline.
     status, body = _post(gw.http, **{"x-skewserve-timeout-ms": "100"})
     assert status == 504 and "no response within" in body["error"]
     timed = json.dumps(

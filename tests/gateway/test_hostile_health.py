@@ -394,18 +394,20 @@ def test_a_hung_attempt_is_retried_after_the_attempt_bound_and_counts_against_th
 
 
 def test_a_cancelled_hedged_grpc_call_leaves_nothing_in_flight(hostile_fleet, make_gateway, delayed) -> None:
-    server = hostile_fleet["us-east"][0]
+    """Both servers hang: the primary, then its hedge, are in flight when the client cancels;
+    neither is left running."""
     cfg = gateway_config(
         {},
         upstream_protocol="http",
-        hedging={"models": ["lt_nocache"], "min_delay_ms": 60_000},
+        hedging={"models": ["lt_nocache"], "min_delay_ms": 50},
         retries={"attempt_timeout_s": 120.0, "default_timeout_s": 120.0},
     )
     cfg["regions"] = [
         {
             "name": "us-east",
             "servers": [
-                {"name": "hung", "http": server.http_address, "grpc": delayed(server.grpc_port, 60.0)}
+                {"name": f"hung{i}", "http": s.http_address, "grpc": delayed(s.grpc_port, 60.0)}
+                for i, s in enumerate(hostile_fleet["us-east"])
             ],
         }
     ]
@@ -415,10 +417,18 @@ def test_a_cancelled_hedged_grpc_call_leaves_nothing_in_flight(hostile_fleet, ma
     tensor.contents.fp32_contents.extend([0.3] * 8)
     with grpc.insecure_channel(gw.grpc) as channel:
         call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer.future(req)
-        wait_until(lambda: gw.server("hung")["inflight"] == 1, what="the primary to be in flight")
+        wait_until(
+            lambda: [gw.server(n)["inflight"] for n in ("hung0", "hung1")] == [1, 1],
+            what="the primary and its hedge in flight",
+        )
+        assert counter(gw, "skewserve_gateway_hedges_total", "lt_nocache") == 1
         call.cancel()
-        # The client gave up: the primary must go too, not wait out the hedge delay and server.
-        wait_until(lambda: gw.server("hung")["inflight"] == 0, timeout=10, what="no attempt in flight")
+        # The client gave up: both copies must go, not wait out the servers.
+        wait_until(
+            lambda: [gw.server(n)["inflight"] for n in ("hung0", "hung1")] == [0, 0],
+            timeout=10,
+            what="no attempt in flight",
+        )
     assert gw.admin()["inflight"] == 0
 
 

@@ -184,8 +184,21 @@ def test_request_id_is_passed_through_or_generated(shared_gateway) -> None:
     assert dict(call.trailing_metadata())["x-request-id"] == "trace-9"
 
 
-def test_region_pin_is_honoured(shared_gateway) -> None:
+def _inferences_by_server(fleet, model: str) -> dict[str, int]:
+    """What each Triton server itself counted for `model` (its statistics extension)."""
+    counts = {}
+    for servers in fleet.values():
+        for s in servers:
+            with urllib.request.urlopen(f"{s.http_url}/v2/models/{model}/stats", timeout=10) as r:
+                counts[s.spec.name] = json.loads(r.read())["model_stats"][0]["inference_count"]
+    return counts
+
+
+def test_region_pin_is_honoured(shared_gateway, fleet) -> None:
+    """A pinned request executes on a server of that region: Triton's own counters say so."""
     for region in ("eu-west", "us-east"):
+        in_region = {s.spec.name for s in fleet[region]}
+        before = _inferences_by_server(fleet, "lt_nocache")
         res = _http_infer(shared_gateway.http, "lt_nocache", True, headers={"x-skewserve-region": region})
         assert res.get_response()["model_name"] == "lt_nocache"
         body = json.dumps(
@@ -198,6 +211,12 @@ def test_region_pin_is_honoured(shared_gateway) -> None:
         )
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.headers["x-skewserve-region"] == region
+            assert r.headers["x-skewserve-server"] in in_region
+        _grpc_infer(shared_gateway.grpc, "lt_nocache", headers={"x-skewserve-region": region})
+        after = _inferences_by_server(fleet, "lt_nocache")
+        grew = {name for name in after if after[name] > before[name]}
+        assert grew and grew <= in_region, (region, before, after)
+        assert sum(after.values()) - sum(before.values()) == len(X) + 1 + len(X)  # items, as Triton counts
     with pytest.raises(InferenceServerException, match="pinned region 'mars' does not exist"):
         _grpc_infer(shared_gateway.grpc, "lt_nocache", headers={"x-skewserve-region": "mars"})
 

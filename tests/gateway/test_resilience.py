@@ -23,6 +23,8 @@ import tritonclient.http as httpclient
 from gateway.config import HealthConfig, RetryConfig
 from skewserve.triton_process import TritonServer, TritonServerSpec
 from tests.gateway.conftest import GatewayUnderTest, gateway_config, start_fleet, stop_fleet, wait_until
+from tests.gateway.relay import TcpRelay
+from tests.gateway.steady_load import check_infer_answer
 from tests.gateway.test_hostile_health import BOOM_BODY, hostile_repo
 
 X = np.random.default_rng(9).standard_normal((2, 8)).astype(np.float32)
@@ -64,6 +66,7 @@ class Load:
                 with urllib.request.urlopen(
                     urllib.request.Request(f"http://{address}/v2/models/{model}/infer", data=body), timeout=10
                 ) as r:
+                    check_infer_answer(r.read(), rows=2)
                     self.regions.append(r.headers["x-skewserve-region"])
                     self.ok += 1
             except Exception as exc:
@@ -75,7 +78,9 @@ class Load:
         inp.set_data_from_numpy(X)
         while not self.stop.is_set():
             try:
-                client.infer(model, [inp])
+                answer = client.infer(model, [inp]).get_response()
+                if not answer.outputs or any(o.shape[0] != 2 for o in answer.outputs):
+                    raise ValueError(f"partial answer: {answer}")
                 self.ok += 1
             except Exception as exc:
                 self.failures.append(f"grpc: {exc!r}")
@@ -343,3 +348,57 @@ def test_sigterm_drains_not_ready_first_then_exits(fleet, make_gateway) -> None:
     assert "serving-not-ready" in seen, seen
     log = gw.log_path.read_text()
     assert log.index("draining: reporting not-ready") < log.index("gateway stopped")
+
+
+def test_a_request_in_flight_when_draining_starts_is_answered_before_exit(fleet, make_gateway) -> None:
+    """Drain finishes what it started: a request held upstream through not-ready and refusing is
+    still answered in full, and only then does the gateway exit."""
+    triton = fleet["us-east"][0]
+    relay = TcpRelay(triton.http_address, hold=True)
+    # Upstream bounds far above anything the test waits for: only the release ends the held request.
+    cfg = gateway_config(
+        fleet,
+        drain={"grace_s": 0.5, "timeout_s": 120},
+        retries={"attempt_timeout_s": 120, "default_timeout_s": 120},
+    )
+    cfg["regions"] = [
+        {
+            "name": "us-east",
+            "servers": [{"name": triton.spec.name, "http": relay.address, "grpc": triton.grpc_address}],
+        }
+    ]
+    gw = make_gateway(cfg)
+    body = json.dumps(
+        {"inputs": [{"name": "features", "shape": [2, 8], "datatype": "FP32", "data": X.ravel().tolist()}]}
+    ).encode()
+    answers: list[bytes] = []
+
+    def held_request() -> None:
+        req = urllib.request.Request(f"http://{gw.http}/v2/models/lt_nocache/infer", data=body)
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answers.append(r.read())
+
+    holder = threading.Thread(target=held_request)
+    try:
+        holder.start()
+        wait_until(lambda: gw.admin()["inflight"] == 1, what="the held request to be in flight")
+        relay.pass_new()
+        gw.proc.send_signal(signal.SIGTERM)
+        # Through not-ready (still serving new requests) to refusing them, the held one still upstream.
+        seen = ["serving-ready"]
+        for _ in range(2000):  # bounded: each observation takes milliseconds, the grace is 0.5 s
+            if (state := _drain_state(gw)) != seen[-1]:
+                seen.append(state)
+            if state != "serving-not-ready" and state != "serving-ready":
+                break
+            time.sleep(0.02)
+        assert seen[-1] == "refusing", seen
+        assert gw.proc.poll() is None and holder.is_alive() and not answers
+        relay.release()
+        holder.join(60)
+    finally:
+        relay.close()
+    assert len(answers) == 1
+    check_infer_answer(answers[0], rows=2)
+    assert gw.proc.wait(30) == 0
+    assert "drain timeout" not in gw.log_path.read_text()

@@ -209,8 +209,8 @@ def test_client_address_of_grpc_peers_and_http_hosts(peer: str, host: str) -> No
         ("set-by-env-SKEWSERVE_GATEWAY_CACHE__HMAC_SECRET", "placeholder"),
         ("x" * 64, "too little entropy"),
         ("abcabcabcabcabcabcab", "too little entropy"),
-        (secrets.token_hex(32), None),
-        (secrets.token_urlsafe(24), None),
+        pytest.param(secrets.token_hex(32), None, id="token_hex"),
+        pytest.param(secrets.token_urlsafe(24), None, id="token_urlsafe"),
     ],
 )
 def test_secret_weakness(secret: str, why: str | None) -> None:

@@ -16,7 +16,7 @@ from gateway.auth import Authenticator, TokenBucket, hash_key
 from gateway.balancer import P2CEwmaBalancer, RoundRobinBalancer
 from gateway.cache import Coalescer, MemoryCache, cache_key
 from gateway.config import ConfigError, GatewayConfig, HealthConfig, ServerConfig, load_gateway_config
-from gateway.dispatch import RetryBudget
+from gateway.dispatch import HEDGE_MIN_SAMPLES, RetryBudget, hedge_delay
 from gateway.errors import BadRequest, NoReadyServer, PermissionDenied, RateLimited, Unauthenticated
 from gateway.health import OutlierDetector
 from gateway.router import Region, RegionRouter
@@ -68,6 +68,21 @@ def test_p2c_avoids_the_slow_server() -> None:
     assert balancer.pick([fast, slow]).name == "slow"
     rr = RoundRobinBalancer()
     assert {rr.pick([fast, slow]).name for _ in range(2)} == {"fast", "slow"}
+
+
+def test_hedge_delay_is_the_lowest_p95_of_servers_with_enough_samples_above_the_floor() -> None:
+    clock = FakeClock()
+    fast, slow, fresh = (_server(n, "a", clock) for n in ("fast", "slow", "fresh"))
+    assert hedge_delay([fast, slow, fresh], 0.02) == 0.02  # no samples yet: the floor
+    for i in range(HEDGE_MIN_SAMPLES):
+        fast.latency.observe(0.2 + 0.01 * (i % 2), clock.now)  # p95 about 0.21 s
+        slow.latency.observe(2.0 + 0.1 * (i % 2), clock.now)  # slow as a whole: its p95 does not count
+        clock.now += 0.01
+    fresh.latency.observe(0.001, clock.now)  # one sample: too few to speak for the request class
+    delay = hedge_delay([fast, slow, fresh], 0.02)
+    assert delay == fast.latency.p95() and 0.2 < delay < 0.3
+    assert hedge_delay([fast, slow, fresh], 0.5) == 0.5  # the floor still bounds it from below
+    assert hedge_delay([slow], 0.02) == slow.latency.p95()
 
 
 def test_router_prefers_home_then_nearest_region_and_counts_saturation() -> None:

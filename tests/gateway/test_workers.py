@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import grpc
 import numpy as np
 import psutil
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2 as pb
 
 from loadtests.wire import binary_request
@@ -59,22 +61,46 @@ def test_two_workers_serve_both_protocols_and_sum_their_metrics(
 ) -> None:
     gw = make_gateway(gateway_config(fleet, listen={"workers": 2}, cache={"backend": "none"}))
     assert len(workers_of(gw)) == 2
-    for _ in range(12):
+    sent = 0
+    for _ in range(200):  # fresh connections until the kernel has given each worker some
         status, _, _ = http_infer(gw)
         assert status == 200
+        sent += 1
+        if sent >= 12 and all(n > 0 for n in _served_by_worker(gw)):
+            break
     for _ in range(8):
         assert grpc_infer(gw).model_name == "lt"
+    served = _served_by_worker(gw)
+    assert len(served) == 2 and all(n > 0 for n in served), served
+    assert sum(served) == sent + 8
+    # /metrics on the ops port is the sum over workers: every request counted once, in the
+    # counter and in the latency histogram alike.
+    samples = _lt_samples(gw.metrics())
+    assert samples["skewserve_gateway_requests_total"] == sent + 8
+    assert samples["skewserve_gateway_request_seconds_count"] == sent + 8
+    assert samples['skewserve_gateway_request_seconds_bucket{le="+Inf"}'] == sent + 8
+    assert "skewserve_gateway_requests_created" in samples  # one start time, not one per worker
+
+
+def _served_by_worker(gw: GatewayUnderTest) -> list[int]:
+    """Upstream requests each worker sent, from each worker's own view."""
     views = gw.admin()["workers"]
-    assert len(views) == 2 and all(v is not None for v in views)
-    served = [sum(s["requests"] for s in v["servers"]) for v in views]
-    assert sum(served) >= 20
-    # /metrics on the ops port is the sum over workers: every request counted once.
-    total = sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in gw.metrics().splitlines()
-        if line.startswith("skewserve_gateway_requests_total{") and 'model="lt"' in line
-    )
-    assert total == 20
+    assert all(v is not None for v in views)
+    return [sum(s["requests"] for s in v["servers"]) for v in views]
+
+
+def _lt_samples(text: str) -> dict[str, float]:
+    """Series of model `lt`, summed over their other labels (protocol, region, code), by name (and `le`)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("model") != "lt":
+                continue
+            # a start time is the earliest worker's, never one series per worker
+            assert not (s.name.endswith("_created") and "worker" in s.labels), s
+            key = f'{s.name}{{le="{s.labels["le"]}"}}' if "le" in s.labels else s.name
+            out[key] = out.get(key, 0.0) + s.value
+    return out
 
 
 def test_cache_entries_and_rate_limits_are_shared_across_workers(
@@ -97,17 +123,59 @@ def test_cache_entries_and_rate_limits_are_shared_across_workers(
         )
     )
     assert len(workers_of(gw)) == 2
-    states = []
-    statuses = []
-    for _ in range(12):  # fresh connections: the kernel spreads them over both workers
-        status, headers, _ = http_infer(gw)
-        statuses.append(status)
-        states.append(headers.get("x-skewserve-cache"))
-    # One budget of 6 for this client, not one per worker.
-    assert statuses.count(200) == 6 and statuses.count(429) == 6
-    # One miss, then hits, whichever worker answered.
-    ok_states = [s for s, code in zip(states, statuses, strict=True) if code == 200]
-    assert ok_states[0] == "miss" and set(ok_states[1:]) == {"hit"}
+    by_worker = connections_by_worker(gw, per_worker=6)
+    a, b = by_worker.values()
+    answered: list[tuple[str, int, str | None]] = []  # (worker, status, cache state), in order
+    for i in range(12):  # alternating workers, on connections each known to be held by one of them
+        worker, conn = ("a", a[i // 2]) if i % 2 == 0 else ("b", b[i // 2])
+        body, headers = binary_request(ROW, outputs=("probabilities",))
+        conn.request("POST", "/v2/models/lt/infer", body, headers)
+        resp = conn.getresponse()
+        resp.read()
+        answered.append((worker, resp.status, resp.getheader("x-skewserve-cache")))
+    for conns in by_worker.values():
+        for conn in conns:
+            conn.close()
+    statuses = [status for _, status, _ in answered]
+    # One budget of 6 for this client, not one per worker: both workers answer 3 then refuse 3.
+    assert statuses == [200] * 6 + [429] * 6, answered
+    # One miss (worker a), then hits from both workers: the entry is shared.
+    ok = [(w, state) for w, status, state in answered if status == 200]
+    assert ok[0] == ("a", "miss") and {state for _, state in ok[1:]} == {"hit"}
+    assert {w for w, _ in ok[1:]} == {"a", "b"}
+
+
+def connections_by_worker(
+    gw: GatewayUnderTest, per_worker: int
+) -> dict[int, list[http.client.HTTPConnection]]:
+    """Open HTTP connections until each worker holds `per_worker` of them (the kernel spreads new
+    connections over the workers' SO_REUSEPORT sockets); which worker holds one is read from the
+    worker processes' own sockets, and keep-alive keeps it there for every request on it."""
+    workers = workers_of(gw)
+    held: dict[int, list[http.client.HTTPConnection]] = {w.pid: [] for w in workers}
+    spare = []
+    for _ in range(20 * per_worker):
+        if all(len(c) >= per_worker for c in held.values()):
+            break
+        conn = http.client.HTTPConnection(gw.host, gw.http_port, timeout=10)
+        conn.connect()
+        assert conn.sock is not None
+        port = conn.sock.getsockname()[1]
+        owner: list[int] = []
+
+        def found(port: int = port, owner: list[int] = owner) -> bool:
+            for w in workers:
+                if any(c.raddr and c.raddr.port == port for c in w.net_connections("tcp")):
+                    owner.append(w.pid)
+                    return True
+            return False
+
+        wait_until(found, 10, f"a worker to accept the connection from port {port}")
+        (held[owner[0]] if len(held[owner[0]]) < per_worker else spare).append(conn)
+    for conn in spare:
+        conn.close()
+    assert all(len(c) >= per_worker for c in held.values()), {pid: len(c) for pid, c in held.items()}
+    return held
 
 
 def test_rate_limits_with_per_worker_buckets_are_refused_at_start(tmp_path: Path) -> None:
@@ -148,6 +216,34 @@ def test_a_killed_worker_is_replaced_and_sigterm_ends_all(
     gw.proc.send_signal(signal.SIGTERM)
     assert gw.proc.wait(30) == 0
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_while_a_worker_is_dead_the_other_serves_and_restarts_back_off(
+    fleet: dict[str, list[TritonServer]], make_gateway: Callable[..., GatewayUnderTest]
+) -> None:
+    """A worker that keeps dying early is started again after 0.5, 1, 2 s (doubling); meanwhile
+    every HTTP and gRPC request is answered by the worker that is left."""
+    gw = make_gateway(gateway_config(fleet, listen={"workers": 2}, cache={"backend": "none"}))
+    served_while_dead = 0
+    for _ in range(3):
+        alive = _live_workers(gw)
+        assert len(alive) == 2
+        # always slot 0's process: the back-off is per slot
+        victim = next(p for p in alive if p.cmdline()[p.cmdline().index("--worker") + 1].startswith("0:"))
+        victim.kill()
+        victim.wait(10)
+        while len(_live_workers(gw)) == 1:  # until the replacement: bounded by the back-off (<= 2 s)
+            assert http_infer(gw)[0] == 200
+            assert grpc_infer(gw).model_name == "lt"
+            served_while_dead += 1
+        wait_until(lambda: all(v is not None for v in gw.admin()["workers"]), 60, "the replacement ready")
+    assert served_while_dead > 0
+    delays = [float(d) for d in re.findall(r"starting it again in ([\d.]+)s", gw.log_path.read_text())]
+    assert delays == [0.5, 1.0, 2.0], delays
+
+
+def _live_workers(gw: GatewayUnderTest) -> list[psutil.Process]:
+    return [p for p in workers_of(gw) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_a_killed_supervisor_takes_haproxy_and_its_workers_along(

@@ -62,7 +62,7 @@ def test_up_response_cache_flag_reaches_every_triton_server(repo: Path, tmp_path
         yaml.safe_dump(
             {
                 "repository": str(repo),
-                "regions": {"us-east": 1},
+                "regions": {"us-east": 1, "eu-west": 1},
                 "gateway": {"listen": {"http_port": 0, "grpc_port": 0, "ops_port": 0}},
             }
         )
@@ -71,9 +71,9 @@ def test_up_response_cache_flag_reaches_every_triton_server(repo: Path, tmp_path
         "up", "--config", str(cfg), "--response-cache-mb", "4", "--log-dir", str(tmp_path / "logs")
     ) as proc:
         text = read_until(proc, "press Ctrl-C")
-        triton = re.findall(r"triton\s+│\s+us-east\s+│\s+\S+\s+│\s+(http://127\.0\.0\.1:\d+)", text)
-        assert len(triton) == 1, text
-        assert _infer_three_times_and_read_cache_hits(triton[0]) == 2
+        triton = re.findall(r"triton\s+│\s+\S+\s+│\s+\S+\s+│\s+(http://127\.0\.0\.1:\d+)", text)
+        assert len(triton) == 2, text  # one server in each region, every one checked
+        assert [_infer_three_times_and_read_cache_hits(url) for url in triton] == [2, 2]
 
 
 def test_stack_config_response_cache_reaches_every_server_spec(repo: Path, tmp_path: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,17 +22,12 @@ import psutil
 import pytest
 import torch
 
+from skewserve.ports import free_port
 from training.config import TrainConfig
 from training.launch import torchrun_command, torchrun_env
 
 pytestmark = pytest.mark.slow
 WAIT_S = 240.0  # a bound on each phase on a loaded 2-core machine, not a duration under test
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Node:
@@ -176,7 +170,7 @@ def test_agents_get_a_fresh_store_per_rendezvous_round(tmp_path: Path) -> None:
 
 
 def test_two_nodes_train_one_job(small_data: Path, tmp_path: Path, nodes: Callable[..., Node]) -> None:
-    out, port = tmp_path / "art", _free_port()
+    out, port = tmp_path / "art", free_port()
     a = nodes("node-a", _job_args(small_data, out, port, "--epochs", "2"))
     b = nodes("node-b", _job_args(small_data, out, port, "--epochs", "2"))
     assert a.wait() == 0, a.log()[-3000:]
@@ -194,7 +188,7 @@ def test_job_resumes_across_nodes_after_a_node_is_killed(
     small_data: Path, tmp_path: Path, nodes: Callable[..., Node]
 ) -> None:
     out, epochs = tmp_path / "art", "16"
-    port = _free_port()
+    port = free_port()
     a = nodes("node-a", _job_args(small_data, out, port, "--epochs", epochs, "--checkpoint-every-steps", "1"))
     b = nodes("node-b", _job_args(small_data, out, port, "--epochs", epochs, "--checkpoint-every-steps", "1"))
     _wait_for(
@@ -206,7 +200,7 @@ def test_job_resumes_across_nodes_after_a_node_is_killed(
     saved = torch.load(out / "checkpoints" / "last.pt", weights_only=False)["epoch"]
     assert 1 <= saved < int(epochs) - 1
 
-    port = _free_port()
+    port = free_port()
     args = _job_args(small_data, out, port, "--epochs", epochs, "--checkpoint-every-steps", "1", "--resume")
     a2, b2 = nodes("node-a2", args), nodes("node-b2", args)
     assert a2.wait() == 0, a2.log()[-3000:]
@@ -231,7 +225,7 @@ def test_agents_restart_the_job_after_a_worker_is_killed(
 ) -> None:
     """SIGKILL one worker: both agents re-rendezvous and the job finishes by itself from the checkpoint."""
     out, epochs = tmp_path / "art", 16
-    port = _free_port()
+    port = free_port()
     args = _job_args(
         small_data, out, port, "--epochs", str(epochs), "--checkpoint-every-steps", "1", "--max-restarts", "2"
     )
