@@ -90,10 +90,12 @@ def test_bad_bucket_is_a_publish_error_naming_the_fix(small_artifact: Path, s3_e
     [
         # killed with the version's files half uploaded: the card (uploaded last) is missing
         (rb"PUT /[\w-]+/models/prod/lt/2/model_card\.json ", [1]),
+        # killed after labels.txt was rewritten, before either config: complete, not yet current
+        (rb"PUT /[\w-]+/models/prod/lt/configs/local\.pbtxt ", [1, 2]),
         # killed after the card, before the commit of config.pbtxt: complete, not yet current
         (rb"PUT /[\w-]+/models/prod/lt/config\.pbtxt ", [1, 2]),
     ],
-    ids=["mid-version", "before-commit"],
+    ids=["mid-version", "after-labels", "before-commit"],
 )
 def test_sigkilled_export_leaves_no_partial_version_visible(
     small_artifact: Path,
@@ -103,7 +105,7 @@ def test_sigkilled_export_leaves_no_partial_version_visible(
     complete_after_kill: list[int],
 ) -> None:
     client = s3_client()
-    bucket = "killed-" + ("a" if b"card" in held else "b")
+    bucket = "killed-" + ("a" if b"card" in held else "b" if b"configs" in held else "c")
     repo = _bucket(client, bucket)
     export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
     v1 = _objects(client, repo, NAME, 1)
@@ -137,6 +139,14 @@ def test_sigkilled_export_leaves_no_partial_version_visible(
     assert published_versions(repo, NAME) == complete_after_kill
     assert _pinned(client, repo) == [1]  # Triton still loads exactly what it loaded before
     assert _objects(client, repo, NAME, 1) == v1
+    # The model-level files a kill can leave rewritten name complete versions only, and labels.txt
+    # (rewritten first) is one that version 1 serves with: the same classes.
+    assert set(_pinned(client, repo, "configs/local.pbtxt")) <= set(complete_after_kill)
+    labels = client.get_object(Bucket=repo.bucket, Key=repo.key(NAME, "labels.txt"))["Body"].read().decode()
+    card = json.loads(
+        client.get_object(Bucket=repo.bucket, Key=repo.key(NAME, 1, "model_card.json"))["Body"].read()
+    )
+    assert labels.split() == [str(c) for c in card["artifact"]["metadata"]["classes"]]
 
     # the next publish takes a fresh number (2 stays claimed) and becomes current
     third = export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
@@ -200,3 +210,75 @@ def test_triton_loads_only_complete_versions_and_rollout_reads_the_store(
         assert http.is_model_ready(NAME, "3") and not http.is_model_ready(NAME, "2")
     finally:
         server.stop()
+
+
+def test_a_publisher_whose_listing_missed_a_rivals_claim_gets_412_and_takes_the_next_number(
+    small_artifact: Path, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The conditional create is what keeps numbers unique, not the listing: a rival claims 2
+    between this publisher's listing and its claim; the store answers 412 and it takes 3."""
+    from botocore.exceptions import ClientError
+
+    import exporter.object_store as object_store
+
+    client = s3_client()
+    repo = _bucket(client, "raced")
+    export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
+    rival = repo.key(NAME, CLAIMS, 2)
+    client.put_object(Bucket=repo.bucket, Key=rival, Body=b"", IfNoneMatch="*")
+    with pytest.raises(ClientError) as refused:  # the store itself refuses a second create
+        client.put_object(Bucket=repo.bucket, Key=rival, Body=b"", IfNoneMatch="*")
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+
+    listed = object_store._claimed
+    monkeypatch.setattr(object_store, "_claimed", lambda c, r, n: listed(c, r, n) - {2})  # a stale listing
+    statuses: list[int] = []
+    put = client.put_object
+
+    def recording_put(**kwargs: Any) -> Any:
+        try:
+            return put(**kwargs)
+        except ClientError as exc:
+            statuses.append(exc.response["ResponseMetadata"]["HTTPStatusCode"])
+            raise
+
+    monkeypatch.setattr(object_store, "s3_client", lambda: client)
+    monkeypatch.setattr(client, "put_object", recording_put)
+    published = export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
+    assert statuses == [412] and published.published.version == 3
+    assert published_versions(repo, NAME) == [1, 3] and _objects(client, repo, NAME, 2) == {}
+    assert _pinned(client, repo) == [1, 3]
+
+
+def test_two_publishers_at_once_take_distinct_numbers_and_the_config_names_complete_versions(
+    small_artifact: Path, s3_env: dict[str, str]
+) -> None:
+    client = s3_client()
+    repo = _bucket(client, "together")
+    export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
+    cmd = [sys.executable, "-m", "skewserve.cli", "export", "--artifact", str(small_artifact)]
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--repo", repo.url, "--name", NAME, "--tensorrt", "off"],
+            env={**os.environ, **s3_env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    versions = sorted(int(o.split("published lt version ", 1)[1].split()[0]) for o in outs)
+    assert versions == [2, 3]
+    assert published_versions(repo, NAME) == [1, 2, 3]
+    for v in (1, 2, 3):
+        assert set(_objects(client, repo, NAME, v)) == {
+            "batching.py",
+            "model.onnx",
+            "model.py",
+            "model_card.json",
+        }
+    for config in ("config.pbtxt", "configs/local.pbtxt"):
+        pinned = _pinned(client, repo, config)
+        assert pinned and set(pinned) <= {1, 2, 3} and len(pinned) <= 2, (config, pinned)

@@ -150,3 +150,117 @@ def test_ids_and_names_triton_would_echo_are_bounded(
         assert field in caught.value.details()  # type: ignore[attr-defined]
     # The server that would have echoed them was never blamed.
     assert all(s["failures"] == 0 for s in gw.admin()["servers"])
+
+
+class _Sentinel:
+    """A listener standing in for a server nobody configured: it counts the connections it gets."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _relay_socket(gw: GatewayUnderTest) -> Path:
+    """The relay (`grpc_out`) socket named in the running HAProxy's configuration."""
+    cmd = haproxy_of(gw).cmdline()
+    config = Path(cmd[cmd.index("-f") + 1]).read_text()
+    after = config.split("frontend grpc_out", 1)[1]
+    return Path(after.split("bind unix@", 1)[1].split()[0])
+
+
+def _relay_call(relay: Path, targets: list[tuple[str, str]]) -> tuple[int, dict[str, str]]:
+    """A worker's upstream call on the relay socket: HTTP/1.1 with the given target headers.
+
+    Sent in one write: HAProxy answers a denied request at its headers and may close before
+    reading the body, so the answer is read whatever happened to the rest of the write."""
+    import socket
+
+    body = infer_request().SerializeToString()
+    framed = b"\x00" + len(body).to_bytes(4, "big") + body
+    head = [f"POST {INFER} HTTP/1.1", "host: relay", "content-type: application/grpc", "te: trailers"]
+    head += [f"{name}: {value}" for name, value in targets]
+    head += [f"content-length: {len(framed)}", "connection: close"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(relay))
+        try:
+            sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + framed)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = b""
+        while b"\r\n\r\n" not in answer and (chunk := sock.recv(65536)):
+            answer += chunk
+    lines = answer.split(b"\r\n\r\n", 1)[0].decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers
+
+
+def test_target_headers_from_a_client_never_choose_the_server(
+    fleet: dict[str, list[TritonServer]], make_gateway: Callable[..., GatewayUnderTest]
+) -> None:
+    """The relay's target headers are HAProxy's to vouch for: sent on the public port, they are
+    removed, and the call reaches only a server the gateway chose."""
+    sentinel = _Sentinel()
+    try:
+        gw = make_gateway(gateway_config(fleet, cache={"backend": "none"}))
+        configured = {s.spec.name for servers in fleet.values() for s in servers}
+        for spoof in (
+            (("x-skewserve-target-ip", "127.0.0.1"), ("x-skewserve-target-port", str(sentinel.port))),
+            (("x-skewserve-target-port", str(sentinel.port)),),
+        ):
+            with grpc.insecure_channel(f"{gw.host}:{gw.grpc_port}") as ch:
+                stub = ch.unary_unary(
+                    INFER,
+                    request_serializer=pb.ModelInferRequest.SerializeToString,
+                    response_deserializer=pb.ModelInferResponse.FromString,
+                )
+                resp, done = stub.with_call(infer_request(), timeout=10, metadata=spoof)
+            assert resp.model_name == "lt"
+            assert dict(done.trailing_metadata())["x-skewserve-server"] in configured
+        assert sentinel.accepted == 0
+    finally:
+        sentinel.close()
+
+
+def test_the_relay_takes_exactly_one_target_and_only_its_owner_can_reach_it(
+    fleet: dict[str, list[TritonServer]], make_gateway: Callable[..., GatewayUnderTest]
+) -> None:
+    import os
+    import stat
+
+    gw = make_gateway(gateway_config(fleet, cache={"backend": "none"}))
+    relay = _relay_socket(gw)
+    # Only the gateway's user: the socket is 0600 inside a 0700 directory of its own.
+    assert stat.S_IMODE(relay.stat().st_mode) == 0o600
+    assert stat.S_IMODE(relay.parent.stat().st_mode) == 0o700
+    assert relay.stat().st_uid == relay.parent.stat().st_uid == os.getuid()
+    triton = fleet["us-east"][0]
+    ip, port = triton.grpc_address.rsplit(":", 1)
+    one = [("x-skewserve-target-ip", ip), ("x-skewserve-target-port", port)]
+    status, headers = _relay_call(relay, one)
+    assert status == 200 and headers.get("grpc-status", "0") == "0"  # the one target answers
+    sentinel = _Sentinel()
+    try:
+        elsewhere = [("x-skewserve-target-ip", "127.0.0.1"), ("x-skewserve-target-port", str(sentinel.port))]
+        for targets in ([], one[:1], one[1:], one + elsewhere, [*one, elsewhere[1]], [elsewhere[0], *one]):
+            assert _relay_call(relay, targets)[0] == 400, targets
+        assert sentinel.accepted == 0  # none of the ambiguous calls went anywhere
+    finally:
+        sentinel.close()
