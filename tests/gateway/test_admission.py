@@ -41,7 +41,9 @@ def secured(fleet, make_gateway):
                 "name": "limited",
                 "sha256": hash_key(LIMITED_KEY),
                 "models": ["lt_nocache"],
-                "rate_per_s": 0.5,
+                # one token, refilled in 1000 s: the second request is over the limit however slowly
+                # this machine sends it
+                "rate_per_s": 0.001,
                 "burst": 1,
             },
         ]

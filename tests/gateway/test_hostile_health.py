@@ -152,39 +152,46 @@ def raw_infer(
 
 
 def test_impossible_client_deadlines_neither_eject_nor_poison_the_only_server(
-    hostile_fleet, make_gateway
+    hostile_fleet, make_gateway, delayed
 ) -> None:
-    gw = make_gateway(gateway_config(_one_server(hostile_fleet), health=DEFAULT_HEALTH))
-    name = hostile_fleet["us-east"][0].spec.name
-    assert post(gw.http, "lt_nocache", LT_BODY)[0] == 200
-    before = gw.server(name)
+    """The only server answers inference a minute late (its probes at once): every request with a
+    100 ms deadline runs out, by construction rather than by this machine's speed, and not one of
+    those timeouts counts against the server."""
+    server = hostile_fleet["us-east"][0]
+    cfg = gateway_config({}, upstream_protocol="http", health=DEFAULT_HEALTH)
+    cfg["regions"] = [
+        {
+            "name": "us-east",
+            "servers": [
+                {
+                    "name": "late",
+                    "http": delayed(server.http_port, 60.0, only_infer=True),
+                    "grpc": delayed(server.grpc_port, 60.0),
+                }
+            ],
+        }
+    ]
+    gw = make_gateway(cfg)
+    before = gw.server("late")
     client = grpcclient.InferenceServerClient(gw.grpc)
     inp = grpcclient.InferInput("features", [1, 8], "FP32")
     inp.set_data_from_numpy(np.full((1, 8), 0.3, np.float32))
-    timed_body = json.dumps({**json.loads(LT_BODY), "parameters": {"timeout": 300}}).encode()
+    timed_body = json.dumps({**json.loads(LT_BODY), "parameters": {"timeout": 100_000}}).encode()
     statuses: list[int] = []
-    for _ in range(40):  # 0.3 ms: the deadline runs out before (almost) any answer can come back
-        statuses.append(post(gw.http, "lt_nocache", LT_BODY, **{"x-skewserve-timeout-ms": "0.3"})[0])
+    for _ in range(5):
+        statuses.append(post(gw.http, "lt_nocache", LT_BODY, **{"x-skewserve-timeout-ms": "100"})[0])
         statuses.append(post(gw.http, "lt_nocache", timed_body)[0])  # KServe `timeout`, microseconds
-    # A loaded event loop may read an answer before a sub-millisecond timer fires: such a request is
-    # simply served. What matters is that the many that ran out of time were the client's doing.
-    assert set(statuses) <= {504, 200} and statuses.count(504) >= 40, statuses
-    after = gw.server(name)
+    assert statuses == [504] * 10, statuses
+    codes = []
+    for _ in range(5):
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("lt_nocache", [inp], client_timeout=0.1)  # the gRPC call deadline
+        codes.append(info.value.status())
+    assert codes == ["StatusCode.DEADLINE_EXCEEDED"] * 5
+    after = gw.server("late")
     # Not one of those timeouts counted against the server, or entered its latency average.
     assert (after["ejections"], after["consecutive_failures"], after["failures"]) == (0, 0, 0)
-    assert after["latency_samples"] == before["latency_samples"] + statuses.count(200)
-    codes = set()
-    for _ in range(40):
-        try:
-            client.infer("lt_nocache", [inp], client_timeout=0.0003)  # the gRPC call deadline
-            codes.add("answered")  # gRPC may round a tiny deadline up: an answer is fine too
-        except InferenceServerException as exc:
-            codes.add(exc.status())
-    assert codes <= {"StatusCode.DEADLINE_EXCEEDED", "answered"}
-    after = gw.server(name)
-    assert (after["ejections"], after["consecutive_failures"], after["failures"]) == (0, 0, 0)
-    assert after["available"]
-    assert post(gw.http, "lt_nocache", LT_BODY)[0] == 200  # everyone else is still served
+    assert after["latency_samples"] == before["latency_samples"] and after["available"]
 
 
 # -- item 7: server errors are failures, and their latency stays out of the score ---------------
@@ -337,11 +344,20 @@ def delayed(hostile_fleet) -> Iterator[Any]:
     """Start loopback proxies delaying responses of a fleet server by a given number of seconds."""
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(target_port: int, delay_s: float) -> str:
+    def start(target_port: int, delay_s: float, only_infer: bool = False) -> str:
         port = free_port()
+        mode = ["--only-infer"] if only_infer else []
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "loadtests.delay_proxy", str(port), str(target_port), str(delay_s)]
+                [
+                    sys.executable,
+                    "-m",
+                    "loadtests.delay_proxy",
+                    str(port),
+                    str(target_port),
+                    str(delay_s),
+                    *mode,
+                ]
             )
         )
         wait_until(lambda: _listening(port), timeout=10, what="the delay proxy to listen")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,37 @@ def test_example_files_in_deploy_plan_load() -> None:
         ("us-east", 2, 6),
         ("eu-west", 2, 4),
     ]
+
+
+def test_the_readme_example_is_what_the_command_prints(tmp_path: Path) -> None:
+    """Every figure of the README's planner example: its command, run as written, prints that table
+    and those summary lines (rich's box characters aside)."""
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    start = readme.index("    skewserve plan --traffic deploy/plan/traffic.example.yaml")
+    block = readme[start : readme.index("![plan:", start)]
+    command_text, _, shown = block.partition("\n\n")
+    args = command_text.replace("\\\n", " ").split()[2:]
+    res = subprocess.run(
+        [sys.executable, "-m", "skewserve.cli", "plan", *args, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+
+    def rows(text: str, bar: str) -> list[list[str]]:
+        return [
+            [cell.strip() for cell in line.strip().strip(bar).split(bar)]
+            for line in text.splitlines()
+            if line.strip().startswith(bar)
+        ]
+
+    shown_lines = [line.strip() for line in shown.strip().splitlines()]
+    printed_lines = [line.strip() for line in res.stdout.splitlines()]
+    header, *table = rows(shown, "|")
+    assert [header] == rows(res.stdout, "┃") and table == rows(res.stdout, "│")
+    assert len(table) == 2
+    summary = [line for line in shown_lines if not line.startswith("|")]
+    assert summary and all(line in printed_lines for line in summary), (summary, printed_lines)
