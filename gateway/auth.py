@@ -47,11 +47,28 @@ class Principal:
 
 
 class Authenticator:
-    def __init__(self, cfg: AuthConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: AuthConfig,
+        clock: Callable[[], float] = time.monotonic,
+        carried: dict[str, Principal] | None = None,
+    ) -> None:
         self.enabled = bool(cfg.keys)
-        self._keys: list[tuple[bytes, Principal]] = [
-            (bytes.fromhex(k.sha256), self._principal(k, clock)) for k in cfg.keys
-        ]
+        self._clock = clock
+        carried = carried or {}
+        # keyed by the whole entry (name, hash, models, rate, burst, admin) as JSON
+        self._by_entry: dict[str, Principal] = {}
+        self._keys: list[tuple[bytes, Principal]] = []
+        for k in cfg.keys:
+            entry = k.model_dump_json()
+            principal = carried.get(entry) or self._principal(k, clock)
+            self._by_entry[entry] = principal
+            self._keys.append((bytes.fromhex(k.sha256), principal))
+
+    def with_keys(self, cfg: AuthConfig) -> Authenticator:
+        """An authenticator for a reloaded key list. A key whose entry did not change keeps its
+        principal, so its rate bucket is not refilled by a reload; a removed key is refused at once."""
+        return Authenticator(cfg, self._clock, self._by_entry)
 
     @staticmethod
     def _principal(k: ApiKeyConfig, clock: Callable[[], float]) -> Principal:

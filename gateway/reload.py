@@ -4,14 +4,17 @@ The new file is read and validated off the event loop, with the same environment
 start. It is applied only whole, or not at all (one log line says why, and the running config stays):
 
 - an invalid file is refused with the validation message, which names the field;
-- a change to a field that cannot change live (anything but `regions` and `home_region`: listen
-  ports, cache backend, limits, ...) is refused with the fields named: restart to change them;
+- a change to a field that cannot change live (anything but `regions`, `home_region` and
+  `auth.keys`: listen ports, cache backend, limits, ...) is refused with the fields named: restart
+  to change them. Keys change live (a leaked key is revoked by removing it), but turning
+  authentication on or off does not: it switches rate limits between per client and per key;
 - otherwise regions and servers change in place, whole or not at all (`apply_fleet`): new servers
   are probed aside, new regions join empty and discovery follows its new settings; a failure there
   is undone and refused with its cause. Then, in one synchronous step, new servers join (routable
   once a probe said ready), the home region moves, and removed servers and regions leave routing
   and drain (closed once their in-flight requests finished), so capacity is never lowered before
   it is replaced and a request is routed either before or after the change, never across it.
+  The new key list takes effect in the same step (unchanged keys keep their rate buckets).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from gateway.core import Gateway
 from gateway.upstream import UpstreamServer
 
 logger = logging.getLogger(__name__)
-LIVE_FIELDS = frozenset({"regions", "home_region"})
+LIVE_FIELDS = frozenset({"regions", "home_region", "auth.keys"})
 
 
 def changed_fields(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -42,7 +45,18 @@ def changed_fields(old: Any, new: Any, prefix: str = "") -> list[str]:
 
 def fixed_field_changes(old: GatewayConfig, new: GatewayConfig) -> list[str]:
     """Fields that differ and cannot change while the gateway runs."""
-    return changed_fields(old.model_dump(exclude=set(LIVE_FIELDS)), new.model_dump(exclude=set(LIVE_FIELDS)))
+    changed = changed_fields(old.model_dump(), new.model_dump())
+    return [f for f in changed if not any(f == live or f.startswith(live + ".") for live in LIVE_FIELDS)]
+
+
+def auth_switch(old: GatewayConfig, new: GatewayConfig) -> str | None:
+    """Why a reload may not turn authentication on or off, or None."""
+    if bool(old.auth.keys) == bool(new.auth.keys):
+        return None
+    return (
+        f"auth.keys: turning authentication {'on' if new.auth.keys else 'off'} cannot happen live (rate "
+        "limits switch between per client and per key): restart the gateway"
+    )
 
 
 class ReloadFailed(Exception):
@@ -106,6 +120,12 @@ async def apply_fleet(gw: Gateway, new: GatewayConfig) -> list[str]:
     for name in old_regions.keys() - new_regions.keys():
         gw.remove_region(name)
         changes.append(f"-region {name}")
+    if new.auth.keys != old.auth.keys:
+        gw.auth = gw.auth.with_keys(new.auth)
+        removed = {k.name for k in old.auth.keys} - {k.name for k in new.auth.keys}
+        changes.append(
+            f"API keys: {len(new.auth.keys)}" + (f", revoked {', '.join(sorted(removed))}" if removed else "")
+        )
     gw.cfg = new
     return changes
 
@@ -147,9 +167,12 @@ class ConfigReloader:
             fixed = fixed_field_changes(self.gw.cfg, new)
             if fixed:
                 return self._refuse(
-                    f"{', '.join(fixed)} cannot change while the gateway runs (only regions and "
-                    f"home_region can): restart the gateway to change them, or revert them in {self.path}"
+                    f"{', '.join(fixed)} cannot change while the gateway runs (only regions, home_region "
+                    f"and auth.keys can): restart the gateway to change them, or revert them in {self.path}"
                 )
+            switch = auth_switch(self.gw.cfg, new)
+            if switch is not None:
+                return self._refuse(switch)
             try:
                 changes = await apply_fleet(self.gw, new)
             except ReloadFailed as exc:

@@ -295,19 +295,33 @@ def test_a_reload_whose_discovery_fails_changes_nothing(pair: list[TritonServer]
         gw.stop()
 
 
+def _worker_views(gw: GatewayUnderTest) -> list[dict[str, Any]]:
+    return [w for w in gw.admin()["workers"] if w is not None]
+
+
+def _two_workers(cfg: dict[str, Any], tmp_path: Path) -> GatewayUnderTest:
+    """`cfg` with listen.workers 2, started, both workers answering on the ops listener."""
+    cfg["listen"]["workers"] = 2
+    gw = launch_gateway(cfg, tmp_path)
+    try:
+        wait_until(lambda: len(_worker_views(gw)) == 2, timeout=30)
+    except BaseException:
+        gw.stop()
+        raise
+    return gw
+
+
 def test_every_worker_ends_on_the_same_config_or_none_does(pair: list[TritonServer], tmp_path: Path) -> None:
     """Issue 22: with listen.workers > 1 each worker reloads on its own (SIGHUP fans out); a refused
     reload is refused by all of them, an applied one applied by all."""
     a, b = pair
     cfg = _config({"a": a})
-    cfg["listen"]["workers"] = 2
-    gw = launch_gateway(cfg, tmp_path)
+    gw = _two_workers(cfg, tmp_path)
     try:
 
         def views() -> list[dict[str, Any]]:
-            return [w for w in gw.admin()["workers"] if w is not None]
+            return _worker_views(gw)
 
-        wait_until(lambda: len(views()) == 2, timeout=30)
         new = copy.deepcopy(cfg)
         new["regions"][0]["servers"].append({"name": "b", "http": b.http_address, "grpc": b.grpc_address})
         new["regions"].append(
@@ -322,5 +336,71 @@ def test_every_worker_ends_on_the_same_config_or_none_does(pair: list[TritonServ
         gw.proc.send_signal(signal.SIGHUP)
         wait_until(lambda: [v["config_reloads"]["applied"] for v in views()] == [1, 1], timeout=30)
         wait_until(lambda: all({s["name"] for s in v["servers"]} == {"a", "b"} for v in views()), timeout=30)
+    finally:
+        gw.stop()
+
+
+def _infer_status(gw: GatewayUnderTest, key: str) -> tuple[int, str]:
+    """HTTP status and gRPC code of one inference with `key`, each on a fresh connection."""
+    import http.client
+
+    import grpc
+
+    from tests.gateway.test_data_plane import infer_request
+
+    conn = http.client.HTTPConnection(gw.host, gw.http_port, timeout=10)
+    try:
+        conn.request(
+            "POST",
+            "/v2/models/lt/infer",
+            b'{"inputs":[{"name":"features","shape":[1,8],"datatype":"FP32","data":[0,0,0,0,0,0,0,0]}]}',
+            {"x-api-key": key, "Content-Type": "application/json"},
+        )
+        status = conn.getresponse().status
+    finally:
+        conn.close()
+    with grpc.insecure_channel(f"{gw.host}:{gw.grpc_port}") as ch:
+        stub = ch.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=lambda r: r.SerializeToString(),
+            response_deserializer=lambda b: b,
+        )
+        try:
+            stub(infer_request(), timeout=10, metadata=(("x-api-key", key),))
+            code = "OK"
+        except grpc.RpcError as exc:
+            code = exc.code().name  # type: ignore[attr-defined]
+    return status, code
+
+
+def test_a_leaked_key_is_revoked_live_on_every_worker(pair: list[TritonServer], tmp_path: Path) -> None:
+    """Issue 23, item 6: remove a key from the file, SIGHUP: every worker refuses it at once, the
+    other keys keep working, and turning authentication off stays a restart."""
+    from gateway.auth import hash_key
+
+    keep, leaked = "sk-keep-5d1c0e9a7b", "sk-leaked-3f8e2a6c41"
+    keys = [{"name": "keep", "sha256": hash_key(keep)}, {"name": "leaked", "sha256": hash_key(leaked)}]
+    cfg = _config({"a": pair[0]}, auth={"keys": keys})
+    gw = _two_workers(cfg, tmp_path)
+    try:
+
+        def views() -> list[dict[str, Any]]:
+            return _worker_views(gw)
+
+        assert _infer_status(gw, leaked) == (200, "OK")
+        new = copy.deepcopy(cfg)
+        new["auth"]["keys"] = keys[:1]
+        _rewrite(gw, new)
+        gw.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: [v["config_reloads"]["applied"] for v in views()] == [1, 1], timeout=30)
+        for _ in range(6):  # fresh connections: both workers answer some
+            assert _infer_status(gw, leaked) == (401, "UNAUTHENTICATED")
+            assert _infer_status(gw, keep) == (200, "OK")
+        new["auth"]["keys"] = []  # auth off: per-client limits instead of per-key ones, a restart
+        _rewrite(gw, new)
+        gw.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: [v["config_reloads"]["refused"] for v in views()] == [1, 1], timeout=30)
+        assert "turning authentication off cannot happen live" in views()[0]["config_reloads"]["last_refusal"]
+        assert _infer_status(gw, keep) == (200, "OK") and _infer_status(gw, leaked)[0] == 401
     finally:
         gw.stop()

@@ -381,7 +381,10 @@ def test_a_request_in_flight_when_draining_starts_is_answered_before_exit(fleet,
     holder = threading.Thread(target=held_request)
     try:
         holder.start()
-        wait_until(lambda: gw.admin()["inflight"] == 1, what="the held request to be in flight")
+        # Held only once its bytes reached the relay (the gateway counts it in flight before it
+        # connects upstream): from then on new connections pass, this one stays held.
+        wait_until(lambda: b"/infer " in bytes(relay.sent), what="the held request to reach the relay")
+        assert gw.admin()["inflight"] == 1
         relay.pass_new()
         gw.proc.send_signal(signal.SIGTERM)
         # Through not-ready (still serving new requests) to refusing them, the held one still upstream.

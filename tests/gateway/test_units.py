@@ -334,3 +334,21 @@ def test_large_keys_are_hashed_off_the_loop_with_the_same_result() -> None:
     big = b"x" * (OFF_LOOP_BYTES + 1)
     assert asyncio.run(cache_key_async("grpc", "m", "1", big)) == cache_key("grpc", "m", "1", big)
     assert asyncio.run(cache_key_async("grpc", "m", "1", b"small")) == cache_key("grpc", "m", "1", b"small")
+
+
+def test_reloaded_keys_keep_their_buckets_and_removed_keys_are_refused() -> None:
+    from gateway.config import AuthConfig
+
+    clock = FakeClock()
+    a = {"name": "a", "sha256": hash_key("key-a"), "rate_per_s": 0.001, "burst": 1}
+    b = {"name": "b", "sha256": hash_key("key-b")}
+    auth = Authenticator(AuthConfig(keys=[a, b]), clock)
+    principal = auth.authenticate(None, "key-a")
+    Authenticator.admit(principal, "m")  # a's only token
+    reloaded = auth.with_keys(AuthConfig(keys=[a]))
+    with pytest.raises(RateLimited):  # a reload does not refill a's bucket
+        Authenticator.admit(reloaded.authenticate(None, "key-a"), "m")
+    with pytest.raises(Unauthenticated, match="invalid API key"):
+        reloaded.authenticate(None, "key-b")
+    changed = reloaded.with_keys(AuthConfig(keys=[{**a, "burst": 2}]))  # a changed entry: a new bucket
+    Authenticator.admit(changed.authenticate(None, "key-a"), "m")
