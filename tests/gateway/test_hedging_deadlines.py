@@ -93,6 +93,9 @@ def test_hedged_requests_do_not_wait_for_the_slow_server(make_pair, make_gateway
             make_pair(HUNG_S),
             balancing={"policy": "round_robin"},
             hedging={"models": ["lt_nocache"], "min_delay_ms": 20},
+            # A budget that starts with 100 tokens: every one of the 12 hedges below is paid for
+            # however fast the requests come (the budget's own tests are in test_units.py).
+            retries={"min_retries_per_s": 100},
         )
     )
     results = [_post(gw.http) for _ in range(24)]
