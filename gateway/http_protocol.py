@@ -17,7 +17,10 @@ import asyncio
 import logging
 from typing import Any
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.config import GatewayConfig
 
 logger = logging.getLogger(__name__)
 
@@ -119,3 +122,24 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 def with_header_timeout(timeout_s: float) -> type[HeaderTimeoutProtocol]:
     """The protocol class for one listener, closing connections whose headers take over `timeout_s`."""
     return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": timeout_s})
+
+
+def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
+    """Every gateway listener's uvicorn settings (public HTTP, a worker's ops socket, the ops port of
+    a single process or of the supervisor): the header-read timer, the connection bound."""
+    return uvicorn.Config(
+        app,
+        loop="none",
+        # httptools with a bound on receiving headers (uvicorn has none: slowloris).
+        http=with_header_timeout(cfg.limits.header_read_timeout_s),
+        # Connections plus in-flight requests; beyond it uvicorn answers 503 and sockets stop growing.
+        limit_concurrency=cfg.limits.max_connections,
+        lifespan="off",
+        access_log=False,
+        proxy_headers=False,  # the gateway is the edge: no X-Forwarded-* rewriting per request
+        server_header=False,
+        log_config=None,
+        timeout_keep_alive=75,
+        timeout_graceful_shutdown=int(cfg.drain.timeout_s),
+        backlog=2048,
+    )

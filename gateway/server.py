@@ -14,7 +14,6 @@ import asyncio
 import logging
 import signal
 from pathlib import Path
-from typing import Any
 
 import uvicorn
 
@@ -23,7 +22,7 @@ from gateway.core import Gateway
 from gateway.grpc_front import GrpcFront
 from gateway.grpc_plane import GrpcioPlane, GrpcPlane, HaproxyGrpcPlane, WorkerGrpcPlane, WorkerSlot
 from gateway.http_front import HttpFront
-from gateway.http_protocol import with_header_timeout
+from gateway.http_protocol import uvicorn_config
 from gateway.listen import ListenError, bind_listener, bind_shared, bind_unix, write_ready_file
 from gateway.ops import build_ops_app
 from gateway.reload import ConfigReloader
@@ -34,25 +33,6 @@ logger = logging.getLogger(__name__)
 class _Uvicorn(uvicorn.Server):
     def install_signal_handlers(self) -> None:  # signals are the gateway's, see serve()
         pass
-
-
-def _uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,
-        loop="none",
-        # httptools with a bound on receiving headers (uvicorn has none: slowloris).
-        http=with_header_timeout(cfg.limits.header_read_timeout_s),
-        # Connections plus in-flight requests; beyond it uvicorn answers 503 and sockets stop growing.
-        limit_concurrency=cfg.limits.max_connections,
-        lifespan="off",
-        access_log=False,
-        proxy_headers=False,  # the gateway is the edge: no X-Forwarded-* rewriting per request
-        server_header=False,
-        log_config=None,
-        timeout_keep_alive=75,
-        timeout_graceful_shutdown=int(cfg.drain.timeout_s),
-        backlog=2048,
-    )
 
 
 async def serve(
@@ -99,8 +79,8 @@ async def serve(
         await gateway.stop()
         raise
     await gateway.start()
-    server = _Uvicorn(_uvicorn_config(HttpFront(gateway), cfg))
-    ops_server = _Uvicorn(_uvicorn_config(build_ops_app(gateway), cfg))
+    server = _Uvicorn(uvicorn_config(HttpFront(gateway), cfg))
+    ops_server = _Uvicorn(uvicorn_config(build_ops_app(gateway), cfg))
     loop = asyncio.get_running_loop()
     drain_task: asyncio.Task[None] | None = None
 

@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from gateway.config import GatewayConfig
 from gateway.grpc_plane import WorkerSlot, data_plane_spec, keep_running
 from gateway.haproxy import HaproxyProcess, die_with_parent, runtime_dir
+from gateway.http_protocol import uvicorn_config
 from gateway.listen import bind_listener, bind_shared, write_ready_file
 from gateway.metrics_merge import merge_expositions
 from gateway.upstream_http import HttpPool
@@ -191,11 +192,8 @@ async def supervise(cfg: GatewayConfig, ready_file: Path | None, config_path: Pa
             return
         stop_wait.cancel()
         await ready
-        ops_server = uvicorn.Server(
-            uvicorn.Config(
-                build_supervisor_ops(workers), loop="none", lifespan="off", access_log=False, log_config=None
-            )
-        )
+        # The same bounds as every other listener: the header-read timer, the connection limit.
+        ops_server = uvicorn.Server(uvicorn_config(build_supervisor_ops(workers), cfg))
         ops_server.config.load()
         ops_server.lifespan = ops_server.config.lifespan_class(ops_server.config)
         await ops_server.startup(sockets=[ops_sock])

@@ -270,3 +270,37 @@ def test_gauges_keep_each_workers_view(
     # One series per server and worker, each 0 or 1 (never a sum across workers).
     assert {float(ln.rsplit(" ", 1)[1]) for ln in lines} <= {0.0, 1.0}
     assert len({ln.split('worker="')[1][0] for ln in lines}) == 2
+
+
+def test_the_supervisors_ops_listener_closes_half_sent_heads(
+    fleet: dict[str, list[TritonServer]], make_gateway: Callable[..., GatewayUnderTest]
+) -> None:
+    """Issue 23, item 8: with listen.workers > 1 the ops port is the supervisor's; a client that
+    never finishes its request headers is cut off after limits.header_read_timeout_s there too."""
+    import socket
+
+    gw = make_gateway(
+        gateway_config(
+            fleet, listen={"workers": 2}, cache={"backend": "none"}, limits={"header_read_timeout_s": 1}
+        )
+    )
+    host, port = gw.ops.rsplit(":", 1)
+    heads = [socket.create_connection((host, int(port)), timeout=30) for _ in range(20)]
+    try:
+        for s in heads:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHo")
+
+        def closed(s: socket.socket) -> bool:
+            s.settimeout(0.05)
+            try:
+                return s.recv(1024) == b""
+            except TimeoutError:
+                return False
+            except ConnectionResetError:
+                return True
+
+        wait_until(lambda: all(closed(s) for s in heads), 30, "the half-sent heads to be closed")
+    finally:
+        for s in heads:
+            s.close()
+    assert "skewserve_gateway_requests_total" in gw.metrics()  # whole requests are still served
