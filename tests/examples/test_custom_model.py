@@ -163,8 +163,10 @@ def test_loadtest_sends_the_api_key_from_the_environment(served) -> None:
         args = [
             sys.executable, "-m", "skewserve.cli", "loadtest", "--target", f"http://{gw.http}", "--model", "sep",
             "--samples", str(work / "digits"), "--keys", "20", "--users", "1", "--spawn-rate", "1",
-            "--duration", "5s", "--out", str(work / "lt-keys"),
+            "--duration", "20s", "--out", str(work / "lt-keys"),
         ]  # fmt: skip
+        # 20 s: long enough that the first answer (the ensemble's first PNG decode under a loaded
+        # suite) comes back inside the run; the refused run stops at its first 401.
         refused = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=work)
         assert refused.returncode == 2 and "401" in refused.stdout, refused.stdout
         env = os.environ | {"SKEWSERVE_API_KEY": "s3cret-key"}

@@ -434,7 +434,7 @@ def test_new_limits_reach_the_code_using_them() -> None:
     from gateway.core import Gateway
     from gateway.grpc_front import GrpcFront
     from gateway.http_front import HttpFront
-    from gateway.server import _uvicorn_config
+    from gateway.http_protocol import uvicorn_config
 
     cfg = GatewayConfig(
         home_region="a",
@@ -454,7 +454,7 @@ def test_new_limits_reach_the_code_using_them() -> None:
         http, grpc_front = HttpFront(gw), GrpcFront(gw)
         assert (http.max_tensors, http.inflate_ratio, http.max_receiving) == (7, 12.5, 3000)
         assert (grpc_front.max_tensors, grpc_front.max_holding) == (7, 3000)
-        uv = _uvicorn_config(http, cfg)
+        uv = uvicorn_config(http, cfg)
         assert uv.http.header_timeout_s == 2.5  # type: ignore[union-attr]
         assert uv.limit_concurrency == 99
         await gw.stop()
