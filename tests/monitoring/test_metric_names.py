@@ -16,6 +16,7 @@ from gateway.metrics import GatewayMetrics
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
 from tests.monitoring.stack import TRITON_CACHE, write_monitoring_repo
+from tests.waiting import wait_until
 from training.metrics_export import RankMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,11 +61,21 @@ def triton_names(
     work = tmp_path_factory.mktemp("names")
     spec = TritonServerSpec(repository=write_monitoring_repo(work / "repo"), cache_config=TRITON_CACHE)
     server = TritonServer(spec, work / "logs", prepared_triton).start()
+    texts: list[str] = []
+
+    def metrics_read() -> bool:  # the metrics port may open a moment after the server is ready
+        try:
+            with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+                texts.append(r.read().decode())
+            return True
+        except OSError:
+            return False
+
     try:
-        with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
-            text = r.read().decode()
+        wait_until(metrics_read, 60, "Triton's metrics port to answer")
     finally:
         server.stop()
+    text = texts[0]
     yield {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")} | {
         line.split("{")[0].split()[0] for line in text.splitlines() if line and not line.startswith("#")
     }
