@@ -3,6 +3,7 @@ several workers is what one process counting every request would show."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -42,7 +43,8 @@ def test_counters_and_histograms_sum_and_gauges_keep_each_workers_view() -> None
     for le, want in (("0.01", 1), ("0.1", 3), ("1.0", 4), ("+Inf", 5)):  # cumulative, bucket by bucket
         assert merged[("gw_request_seconds_bucket", (("le", le),))] == want
     assert merged[("gw_request_seconds_count", ())] == 5
-    assert abs(merged[("gw_request_seconds_sum", ())] - (0.005 + 0.05 + 2.0 + 0.05 + 0.5)) < 1e-9
+    # the observed values summed (they are inputs of the test, not measured times)
+    assert merged[("gw_request_seconds_sum", ())] == pytest.approx(0.005 + 0.05 + 2.0 + 0.05 + 0.5)
     # `_created` is when the earliest worker started counting, not a sum of timestamps.
     created = ("gw_request_seconds_created", ())
     assert merged[created] == min(sa[created], sb[created])
