@@ -429,6 +429,15 @@ class LimitsConfig(_Strict):
         "gateway's memory limit (1 GiB in deploy/k8s)",
     )
 
+    max_buffered_body_bytes_per_caller: int = Field(
+        default=0,
+        ge=0,
+        description="bound on the request bytes one caller (an API key, or a client address with auth "
+        "off) has held at once, within max_buffered_body_bytes; above it that caller gets 503 / "
+        "RESOURCE_EXHAUSTED and others are unaffected. 0 = half of max_buffered_body_bytes, and at "
+        "least max_request_bytes",
+    )
+
     @model_validator(mode="after")
     def _buffer_holds_a_request(self) -> LimitsConfig:
         if self.max_buffered_body_bytes < self.max_request_bytes:
@@ -436,7 +445,21 @@ class LimitsConfig(_Strict):
                 f"limits.max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at least "
                 f"limits.max_request_bytes ({self.max_request_bytes}), or no request of the largest size is accepted"
             )
+        per_caller = self.max_buffered_body_bytes_per_caller
+        if per_caller and not self.max_request_bytes <= per_caller <= self.max_buffered_body_bytes:
+            raise ValueError(
+                f"limits.max_buffered_body_bytes_per_caller ({per_caller}) must lie between "
+                f"limits.max_request_bytes ({self.max_request_bytes}) and limits.max_buffered_body_bytes "
+                f"({self.max_buffered_body_bytes}), or 0 for the default"
+            )
         return self
+
+    @property
+    def per_caller_body_bytes(self) -> int:
+        """The per-caller byte bound in effect (the documented default when 0)."""
+        if self.max_buffered_body_bytes_per_caller:
+            return self.max_buffered_body_bytes_per_caller
+        return max(self.max_request_bytes, self.max_buffered_body_bytes // 2)
 
 
 class DrainConfig(_Strict):

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from gateway.auth import Authenticator, Principal
 from gateway.balancer import make_balancer
+from gateway.body_budget import BodyBudget
 from gateway.cache import MemoryCache, RedisCache, ResponseCache
 from gateway.coalesce import Coalescer
 from gateway.config import GatewayConfig, ServerConfig
@@ -22,7 +23,7 @@ from gateway.discovery import Discovery
 from gateway.dispatch import Attempt, Dispatcher, Outcome, SequenceId
 from gateway.errors import NoReadyServer, Overloaded
 from gateway.health import HealthChecker, OutlierDetector
-from gateway.limits import RateLimiter
+from gateway.limits import RateLimiter, client_key
 from gateway.metrics import OTHER_MODEL, GatewayMetrics
 from gateway.redis_link import RedisLink
 from gateway.router import Region, RegionRouter
@@ -79,6 +80,8 @@ class Gateway:
         self.health = HealthChecker(self.servers, cfg.health, cfg.upstream_protocol, self.detector, clock)
         self.dispatcher = Dispatcher(cfg, self.router, self.detector, self.metrics, clock)
         self.auth = Authenticator(cfg.auth, clock)
+        # Request bytes held by both fronts together: one bound for the worker, one per caller.
+        self.bodies = BodyBudget(cfg.limits.max_buffered_body_bytes, cfg.limits.per_caller_body_bytes)
         self.discovery = Discovery(self)  # regions with `discover`: servers from DNS or Kubernetes
         self.metrics.model_label = self.model_label
         self.redis: RedisLink | None = None
@@ -242,22 +245,47 @@ class Gateway:
     ) -> Principal | None:
         """Drain and in-flight bounds, authentication, the model list, then the rate limits
         (per key, or per client address with auth off; in Redis when shared)."""
+        self.check_slot()
+        return await self.check_caller(model, authorization, api_key, client)
+
+    def check_slot(self) -> None:
+        """503 while draining or above the in-flight bound (the fronts count a request in flight
+        before calling this, so it is over the limit only above it)."""
         if self.refusing:
             self.metrics.shed.labels("draining").inc()
             raise Overloaded("gateway is shutting down; retry on another replica")
-        # The fronts count a request in flight before admitting it, so it is over the limit only above it.
         if self.inflight > self.cfg.limits.max_inflight:
             self.metrics.shed.labels("inflight").inc()
             raise Overloaded(
                 f"gateway is at its in-flight limit ({self.cfg.limits.max_inflight}); retry later"
             )
+
+    async def check_caller(
+        self, model: str, authorization: str | None, api_key: str | None, client: str = ""
+    ) -> Principal | None:
+        """What costs nothing but a hash and a token: the key, the model list (when the model is
+        known), the rate limit. Run before a body is read, inflated or parsed."""
         principal = self.auth.authenticate(authorization, api_key)
         if model:  # server-level calls (metadata, all-model statistics) name no model
             self.auth.check_model(principal, model)
         _ADMITTED.set(model)
+        await self.check_rate(principal, client)
+        return principal
+
+    async def check_rate(self, principal: Principal | None, client: str) -> None:
         if principal is not None or self.limiter.client_rate > 0:
             await self.limiter.check(principal, client)
-        return principal
+
+    def admit_model(self, principal: Principal | None, model: str) -> None:
+        """The model list of a caller already checked (a gRPC message names its model only once read)."""
+        if model:
+            self.auth.check_model(principal, model)
+        _ADMITTED.set(model)
+
+    @staticmethod
+    def caller_of(principal: Principal | None, client: str) -> str:
+        """Whom a request's bytes are counted against (gateway/body_budget.py)."""
+        return f"key:{principal.name}" if principal is not None else f"client:{client_key(client)}"
 
     def model_label(self, model: str) -> str:
         """`model` as a metric label: itself when a server's repository index has it and this request

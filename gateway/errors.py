@@ -68,6 +68,13 @@ class Overloaded(GatewayError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
 
 
+class BodiesExhausted(Overloaded):
+    """Request bytes held at once are at their bound (gateway/body_budget.py): 503, or on gRPC
+    RESOURCE_EXHAUSTED (the memory is the resource; UNAVAILABLE would invite a blind retry)."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class UpstreamError(GatewayError):
     http_status = 502
     grpc_code = grpc.StatusCode.UNAVAILABLE

@@ -23,10 +23,11 @@ import grpc
 import grpc.aio
 import httptools
 
+from gateway.body_budget import BodyBudget
 from gateway.config import LimitsConfig
 from gateway.errors import GatewayError, UnsupportedEncoding, grpc_code_for
 from gateway.haproxy import PEER_HEADER
-from gateway.infer_body import inflate
+from gateway.infer_body import inflate, inflate_cap
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +67,21 @@ class BridgeAbort(grpc.aio.AbortError):
 class BridgeContext:
     """What `GrpcFront` handlers read and set on a call, for a call that came through HAProxy."""
 
-    __slots__ = ("_metadata", "_peer", "_deadline", "trailing")
+    __slots__ = ("_metadata", "_peer", "_deadline", "trailing", "precheck")
 
-    def __init__(self, metadata: tuple[tuple[str, str], ...], peer: str, deadline: float | None) -> None:
+    def __init__(
+        self,
+        metadata: tuple[tuple[str, str], ...],
+        peer: str,
+        deadline: float | None,
+        precheck: Precheck | None = None,
+    ) -> None:
         self._metadata = metadata
         self._peer = peer
         self._deadline = deadline
         self.trailing: tuple[tuple[str, str], ...] = ()
+        # Set when the bridge checked the key and rate limit from the headers (GrpcFront reads it).
+        self.precheck = precheck
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -169,14 +178,31 @@ def encode_response(
     return b"".join(parts)
 
 
+class Precheck:
+    """What a call's headers settled before its message arrived: whom its bytes count against, the
+    key's principal, and the rate-limit check under way (None where the method needs no key)."""
+
+    __slots__ = ("caller", "principal", "rate")
+
+    def __init__(self, caller: str, principal: Any = None, rate: asyncio.Future[None] | None = None) -> None:
+        self.caller = caller
+        self.principal = principal
+        self.rate = rate
+
+
+# (method path, lowercased headers) -> Precheck; raises GatewayError to refuse the call unread.
+Gate = Callable[[bytes, list[tuple[str, str]]], Precheck]
+
+
 class _Call:
-    __slots__ = ("path", "headers", "body", "size")
+    __slots__ = ("path", "headers", "body", "size", "pre")
 
     def __init__(self) -> None:
         self.path = b""
         self.headers: list[tuple[str, str]] = []
         self.body: list[bytes] = []
         self.size = 0
+        self.pre = Precheck("")
 
 
 class BridgeProtocol(asyncio.Protocol):
@@ -228,32 +254,50 @@ class BridgeProtocol(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
+        gate = self.server.gate
+        if gate is None or self.refused:
+            return
+        call = self.call
+        # The key and the rate limit are settled from the headers, before a byte of the message is
+        # held or inflated: a caller refused here costs a hash and a token, never a slot or memory.
+        try:
+            call.pre = gate(call.path, call.headers)
+        except GatewayError as exc:
+            self._refuse(grpc_code_for(exc), exc.message)
+            return
+        rate = call.pre.rate
+        if rate is not None:
+            rate.add_done_callback(lambda done: self._rate_checked(call, done))
+
+    def _rate_checked(self, call: _Call, done: asyncio.Future[None]) -> None:
+        exc = None if done.cancelled() else done.exception()  # retrieved here, whoever else awaits it
+        if isinstance(exc, GatewayError) and self.call is call and self.headers_done:
+            self._refuse(grpc_code_for(exc), exc.message)  # still receiving: refused unread
 
     def on_body(self, body: bytes) -> None:
         if self.refused:
             return
         call = self.call
         call.size += len(body)
-        self.receiving += len(body)
-        self.server.receiving += len(body)
         if call.size > self.server.max_body_bytes:
             self._refuse(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"received message larger than max ({self.server.max_request_bytes} bytes, "
                 "limits.max_request_bytes)",
             )
-        elif self.server.receiving > self.server.max_receiving:
-            self._refuse(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the gateway holds more than {self.server.max_receiving} bytes of requests being "
-                "received (limits.max_buffered_body_bytes); retry later",
-            )
-        else:
-            call.body.append(body)
+            return
+        try:
+            self.server.budget.reserve(call.pre.caller, len(body))
+        except GatewayError as exc:
+            self._refuse(grpc_code_for(exc), exc.message)
+            return
+        self.receiving += len(body)
+        call.body.append(body)
 
     def on_message_complete(self) -> None:
-        call, self.call = self.call, _Call()
         self._stop_receiving()
+        call, self.call = self.call, _Call()
+        self.headers_done = False
         if self.refused:
             return  # already answered
         self.task = asyncio.get_running_loop().create_task(self.server.handle(self, call))
@@ -278,7 +322,7 @@ class BridgeProtocol(asyncio.Protocol):
         if self.body_timer is not None:
             self.body_timer.cancel()
             self.body_timer = None
-        self.server.receiving -= self.receiving
+        self.server.budget.release(self.call.pre.caller, self.receiving)
         self.receiving = 0
 
     def write(self, data: bytes) -> None:
@@ -293,15 +337,23 @@ class BridgeProtocol(asyncio.Protocol):
 class BridgeServer:
     """Serves `GrpcFront` methods to HAProxy on a unix socket."""
 
-    def __init__(self, handlers: dict[str, Handler], service: str, limits: LimitsConfig) -> None:
+    def __init__(
+        self,
+        handlers: dict[str, Handler],
+        service: str,
+        limits: LimitsConfig,
+        budget: BodyBudget | None = None,
+        gate: Gate | None = None,
+    ) -> None:
         self.handlers = {f"/{service}/{name}".encode(): fn for name, fn in handlers.items()}
         self.max_request_bytes = limits.max_request_bytes
         self.inflate_ratio = limits.max_inflate_ratio
         self.body_timeout_s = limits.body_read_timeout_s
         self.max_body_bytes = limits.max_request_bytes + _PREFIX
-        # Bytes of messages still arriving, bounded like HTTP bodies (handled ones count in GrpcFront).
-        self.receiving = 0
-        self.max_receiving = limits.max_buffered_body_bytes
+        # Bytes of messages still arriving and being inflated, counted with the worker's HTTP bodies
+        # (handled messages count in GrpcFront).
+        self.budget = budget or BodyBudget(limits.max_buffered_body_bytes, limits.per_caller_body_bytes)
+        self.gate = gate
         self.connections: set[BridgeProtocol] = set()
         self.server: asyncio.AbstractServer | None = None
 
@@ -328,8 +380,7 @@ class BridgeServer:
             context = self._context(call)
             compressed, request = unframe(b"".join(call.body), self.max_request_bytes)
             if compressed:
-                encoding = next((v for k, v in call.headers if k == "grpc-encoding"), None)
-                request = await decompress(request, encoding, self.max_request_bytes, self.inflate_ratio)
+                request = await self._inflate(call, request)
             response = await handler(request, context)
             conn.write(encode_response(response, grpc.StatusCode.OK, "", context.trailing))
         except BridgeAbort as exc:
@@ -350,6 +401,19 @@ class BridgeServer:
             # Method and status only: metadata (keys among it) never reaches the log.
             logger.debug("gRPC %s: %s", call.path.decode("latin-1")[:120], code.name)
 
+    async def _inflate(self, call: _Call, message: bytes) -> bytes:
+        """The message inflated, its largest possible size counted against the caller meanwhile."""
+        encoding = next((v for k, v in call.headers if k == "grpc-encoding"), None)
+        cap = inflate_cap(len(message), self.max_request_bytes, self.inflate_ratio)
+        try:
+            self.budget.reserve(call.pre.caller, cap)
+        except GatewayError as exc:
+            raise BridgeAbort(grpc_code_for(exc), exc.message) from None
+        try:
+            return await decompress(message, encoding, self.max_request_bytes, self.inflate_ratio)
+        finally:
+            self.budget.release(call.pre.caller, cap)
+
     @staticmethod
     def _context(call: _Call) -> BridgeContext:
         metadata: list[tuple[str, str]] = []
@@ -362,4 +426,4 @@ class BridgeServer:
                 deadline = asyncio.get_running_loop().time() + parse_grpc_timeout(value)
             elif name not in _NOT_METADATA and not name.endswith("-bin"):
                 metadata.append((name, value))
-        return BridgeContext(tuple(metadata), peer, deadline)
+        return BridgeContext(tuple(metadata), peer, deadline, call.pre)

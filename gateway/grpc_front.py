@@ -22,7 +22,9 @@ from tritonclient.grpc import service_pb2 as pb
 from gateway.cache import cache_key_async
 from gateway.cache_alias import ExactAliases
 from gateway.core import Gateway
-from gateway.errors import BadRequest, GatewayError, Overloaded, grpc_code_for
+from gateway.errors import BadRequest, GatewayError, grpc_code_for
+from gateway.grpc_bridge import Precheck
+from gateway.haproxy import PEER_HEADER
 from gateway.infer_body import MAX_UINT64, SHARED_MEMORY_PARAMETERS
 from gateway.limits import client_address
 from gateway.listen import check_free, refused
@@ -45,8 +47,8 @@ _FORWARD_METADATA = ("x-request-id",)
 OFF_LOOP_BYTES = 256 * 1024
 
 
-class _BytesExhausted(Overloaded):
-    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+# Methods that answer without a key, as Triton's health endpoints do.
+UNKEYED_METHODS = frozenset({"ServerLive", "ServerReady"})
 
 
 def _check_tensor_counts(req: pb.ModelInferRequest, limit: int) -> None:
@@ -148,9 +150,6 @@ class GrpcFront:
         self.timeout_key = cfg.retries.timeout_header.lower()
         self.max_batch = cfg.limits.max_batch_size
         self.max_tensors = cfg.limits.max_tensors
-        # Bytes of ModelInfer messages being handled, bounded like HTTP bodies being received.
-        self.holding = 0
-        self.max_holding = cfg.limits.max_buffered_body_bytes
         # Exact request bytes already keyed -> their key (gateway/cache_alias.py).
         self.aliases: ExactAliases[bytes] = ExactAliases()
         self.server: grpc.aio.Server | None = None
@@ -266,9 +265,34 @@ class GrpcFront:
             self.gw.inflight -= 1
 
     async def _admit(self, model: str, md: dict[str, str], context: grpc.aio.ServicerContext) -> Any:
-        """Admission shared by every method: drain, in-flight bound, auth, model list, rate limits."""
-        client = client_address(context.peer()) if self.gw.limiter.client_rate else ""
-        return await self.gw.admit(model, md.get("authorization"), md.get("x-api-key"), client)
+        """Admission shared by every method: drain, in-flight bound, auth, model list, rate limits.
+        A call through the bridge had its key and rate limit checked from its headers already."""
+        pre: Precheck | None = getattr(context, "precheck", None)
+        if pre is None or pre.rate is None:
+            client = client_address(context.peer())
+            return await self.gw.admit(model, md.get("authorization"), md.get("x-api-key"), client)
+        self.gw.check_slot()
+        await pre.rate
+        self.gw.admit_model(pre.principal, model)
+        return pre.principal
+
+    def precheck(self, path: bytes, headers: list[tuple[str, str]]) -> Precheck:
+        """The bridge's gate (gateway/grpc_bridge.py), run on a call's headers before its message
+        is held: the key now, the rate limit as a task; GatewayError refuses the call unread."""
+        client = ""
+        authorization = api_key = None
+        for name, value in headers:
+            if name == PEER_HEADER:
+                client = value
+            elif name == "authorization":
+                authorization = value
+            elif name == "x-api-key":
+                api_key = value
+        if path.rpartition(b"/")[2].decode("latin-1") in UNKEYED_METHODS:
+            return Precheck(self.gw.caller_of(None, client))
+        principal = self.gw.auth.authenticate(authorization, api_key)
+        rate = asyncio.ensure_future(self.gw.check_rate(principal, client))
+        return Precheck(self.gw.caller_of(principal, client), principal, rate)
 
     # -- methods -----------------------------------------------------------------------------------
     async def server_live(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -352,17 +376,16 @@ class GrpcFront:
         region = server_name = ""
         model = ""
         gw.inflight += 1
-        held = len(request)
-        self.holding += held
+        held = 0
+        caller = ""
         try:
             request_id = checked_request_id(sent_id) if sent_id else ""
-            if self.holding > self.max_holding:
-                raise _BytesExhausted(
-                    f"the gateway holds more than {self.max_holding} bytes of gRPC requests at once "
-                    "(limits.max_buffered_body_bytes); retry later"
-                )
-            # An unknown key is refused before a byte of the message is parsed.
-            gw.auth.authenticate(md.get("authorization"), md.get("x-api-key"))
+            # An unknown key is refused before a byte of the message is parsed; the message's bytes
+            # count against its caller while it is handled.
+            principal = gw.auth.authenticate(md.get("authorization"), md.get("x-api-key"))
+            caller = gw.caller_of(principal, client_address(context.peer()))
+            gw.bodies.reserve(caller, len(request))
+            held = len(request)
             req = await self._decode(pb.ModelInferRequest, request)
             model, version = req.model_name, req.model_version
             # The protobuf `id` is Triton's to echo whatever it holds; it names the request in logs
@@ -411,7 +434,7 @@ class GrpcFront:
             await self._abort(context, exc, request_id)
         finally:
             gw.inflight -= 1
-            self.holding -= held
+            gw.bodies.release(caller, held)
             gw.metrics.request(model, region, server_name, "grpc", status, gw.clock() - started)
         raise AssertionError("unreachable")
 

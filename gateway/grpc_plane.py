@@ -96,7 +96,7 @@ class WorkerGrpcPlane(GrpcPlane):
         self.bridge: BridgeServer | None = None
 
     async def start(self, front: GrpcFront) -> int:
-        self.bridge = BridgeServer(front.methods(), SERVICE, self.cfg.limits)
+        self.bridge = BridgeServer(front.methods(), SERVICE, self.cfg.limits, front.gw.bodies, front.precheck)
         await self.bridge.start(self.path)
         return 0
 
@@ -140,7 +140,7 @@ class HaproxyGrpcPlane(GrpcPlane):
 
     async def start(self, front: GrpcFront) -> int:
         assert self.sock is not None, "bind() first"
-        self.bridge = BridgeServer(front.methods(), SERVICE, self.cfg.limits)
+        self.bridge = BridgeServer(front.methods(), SERVICE, self.cfg.limits, front.gw.bodies, front.precheck)
         await self.bridge.start(bridge_socket(self.directory, 0))
         self.haproxy = HaproxyProcess(data_plane_spec(self.cfg, self.sock, self.directory, 1), self.directory)
         await self.haproxy.start()

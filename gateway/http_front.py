@@ -31,7 +31,6 @@ from gateway.errors import (
     BadRequest,
     GatewayError,
     NotFound,
-    Overloaded,
     RequestTimeout,
     RequestTooLarge,
     UpstreamRejected,
@@ -151,9 +150,6 @@ class HttpFront:
         self.body_timeout_s = cfg.limits.body_read_timeout_s
         self.max_tensors = cfg.limits.max_tensors
         self.inflate_ratio = cfg.limits.max_inflate_ratio
-        # Bytes of bodies still being received, bounded on their own: uploads hold no in-flight slot.
-        self.receiving = 0
-        self.max_receiving = cfg.limits.max_buffered_body_bytes
         self.aliases: ExactAliases[HttpResponse] = ExactAliases()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -203,7 +199,8 @@ class HttpFront:
         status = 500
         route_region = route_server = ""
         counted = False
-        reserved = 0
+        caller = ""
+        held = [0]  # bytes of this request counted in gw.bodies, given back when it ends
         try:
             if request_ids > 1:
                 raise BadRequest(f"send one x-request-id header, got {request_ids}")
@@ -219,24 +216,25 @@ class HttpFront:
                         f"request body of {content_length[:25].decode()} bytes exceeds the limit of "
                         f"{self.max_bytes} (limits.max_request_bytes)"
                     )
+            # Everything that costs no more than a hash and a token comes before a byte of the body
+            # is read: the key, the model list, the rate limit. A caller refused there holds nothing.
+            client = (scope.get("client") or ("",))[0]
+            principal = await gw.check_caller(model, authorization, api_key, client)
+            caller = gw.caller_of(principal, client)
             # The body is read before the request takes an in-flight slot: a slow upload holds
             # only its connection, bounded by limits.body_read_timeout_s, never the admission limit.
-            # An unknown key is refused before anything is read.
-            gw.auth.authenticate(authorization, api_key)
-            body = await self._read_body(receive)
+            # Its bytes stay counted against the caller until the request ends.
+            body = await self._read_body(receive, caller, held)
             gw.inflight += 1
             counted = True
-            await gw.admit(model, authorization, api_key, (scope.get("client") or ("",))[0])
+            gw.check_slot()
             hl = parse_header_length(header_length)
             if encoding is not None and encoding.strip().lower() not in ("", "identity"):
-                # The inflated bytes are held too: count them against the same bound as bodies.
-                reserved = inflate_cap(len(body), self.max_bytes, self.inflate_ratio)
-                self.receiving += reserved
-                if self.receiving > self.max_receiving:
-                    raise Overloaded(
-                        f"the gateway holds more than {self.max_receiving} bytes of request bodies at "
-                        "once (limits.max_buffered_body_bytes); retry later"
-                    )
+                # The inflated bytes are held too, and the compressed ones are dropped once inflated:
+                # count the larger of the two (the cap is never below the compressed size).
+                grow = inflate_cap(len(body), self.max_bytes, self.inflate_ratio) - len(body)
+                gw.bodies.reserve(caller, max(grow, 0))
+                held[0] += max(grow, 0)
             alias = resolved = None
             if gw.cache_enabled(model):
                 if pinned is not None:
@@ -302,7 +300,7 @@ class HttpFront:
             logger.exception("unhandled error in infer, request_id=%s", request_id)
             status = await self._error(send, exc, extra, request_id)
         finally:
-            self.receiving -= reserved
+            gw.bodies.release(caller, held[0])
             if counted:
                 gw.inflight -= 1
             gw.metrics.request(model, route_region, route_server, "http", str(status), gw.clock() - started)
@@ -407,10 +405,10 @@ class HttpFront:
                     f"input {name!r} has batch size {batch}, above the gateway limit of {self.max_batch}"
                 )
 
-    async def _read_body(self, receive: Any) -> bytes:
+    async def _read_body(self, receive: Any, caller: str, held: list[int]) -> bytes:
         try:
             async with asyncio.timeout(self.body_timeout_s):
-                return await self._receive_body(receive)
+                return await self._receive_body(receive, caller, held)
         except TimeoutError:
             raise RequestTimeout(
                 f"request body not received within {self.body_timeout_s:g} s "
@@ -418,30 +416,25 @@ class HttpFront:
                 headers={"connection": "close"},
             ) from None
 
-    async def _receive_body(self, receive: Any) -> bytes:
+    async def _receive_body(self, receive: Any, caller: str, held: list[int]) -> bytes:
+        """The whole body, each chunk counted in gw.bodies (into `held`) before it is kept."""
         chunks = []
         size = 0
-        try:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise BadRequest("the client disconnected before sending the whole request body")
-                chunk = message.get("body", b"")
-                if chunk:
-                    size += len(chunk)
-                    self.receiving += len(chunk)
-                    if size > self.max_bytes:
-                        raise RequestTooLarge(f"request body exceeds the limit of {self.max_bytes} bytes")
-                    if self.receiving > self.max_receiving:
-                        raise Overloaded(
-                            f"the gateway is receiving more than {self.max_receiving} bytes of request "
-                            "bodies at once (limits.max_buffered_body_bytes); retry later"
-                        )
-                    chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-        finally:
-            self.receiving -= size
+        budget = self.gw.bodies
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise BadRequest("the client disconnected before sending the whole request body")
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > self.max_bytes:
+                    raise RequestTooLarge(f"request body exceeds the limit of {self.max_bytes} bytes")
+                budget.reserve(caller, len(chunk))
+                held[0] += len(chunk)
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _error(

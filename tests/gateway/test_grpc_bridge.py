@@ -86,7 +86,7 @@ def test_a_stalled_message_is_cut_off_and_big_ones_are_bounded(tmp_path: Path) -
             r1, w1 = await asyncio.open_unix_connection(str(tmp_path / "w.sock"))
             w1.write(opening)
             await w1.drain()
-            while server.receiving < 800:
+            while server.budget.held < 800:
                 await asyncio.sleep(0.01)
             second = await _exchange(tmp_path / "w.sock", opening, wait_close=True)
             w1.close()

@@ -452,8 +452,8 @@ def test_new_limits_reach_the_code_using_them() -> None:
     async def run() -> None:
         gw = Gateway(cfg)
         http, grpc_front = HttpFront(gw), GrpcFront(gw)
-        assert (http.max_tensors, http.inflate_ratio, http.max_receiving) == (7, 12.5, 3000)
-        assert (grpc_front.max_tensors, grpc_front.max_holding) == (7, 3000)
+        assert (http.max_tensors, http.inflate_ratio, grpc_front.max_tensors) == (7, 12.5, 7)
+        assert (gw.bodies.limit, gw.bodies.per_caller) == (3000, 1500)  # half, at least one request
         uv = uvicorn_config(http, cfg)
         assert uv.http.header_timeout_s == 2.5  # type: ignore[union-attr]
         assert uv.limit_concurrency == 99

@@ -339,3 +339,24 @@ def test_requests_pinned_to_other_regions_do_not_coalesce() -> None:
         await gw.stop()
 
     asyncio.run(run())
+
+
+def test_body_budget_bounds_each_caller_and_the_worker_and_forgets_idle_callers() -> None:
+    from gateway.body_budget import BodyBudget
+    from gateway.errors import BodiesExhausted
+
+    budget = BodyBudget(limit=1000, per_caller=600)
+    budget.reserve("key:a", 500)
+    with pytest.raises(BodiesExhausted, match="max_buffered_body_bytes_per_caller"):
+        budget.reserve("key:a", 200)  # a's own bound; nothing counted for the refused bytes
+    budget.reserve("key:b", 450)
+    with pytest.raises(BodiesExhausted, match=r"more than 1000 bytes .*\(limits.max_buffered_body_bytes\)"):
+        budget.reserve("key:c", 100)
+    assert (budget.held, budget.callers()) == (950, 2)
+    budget.release("key:a", 500)
+    budget.release("key:b", 450)
+    assert (budget.held, budget.callers()) == (0, 0)
+    same = BodyBudget(limit=1000, per_caller=1000)  # equal bounds: the refusal names the worker's
+    same.reserve("key:a", 900)
+    with pytest.raises(BodiesExhausted, match=r"\(limits.max_buffered_body_bytes\)"):
+        same.reserve("key:a", 200)

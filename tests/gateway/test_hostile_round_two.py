@@ -1,0 +1,330 @@
+"""Issue 23, hostile clients round two, against the real stack: one Triton, Redis, the gateway with
+2 workers behind HAProxy, API keys with rate limits and the Redis cache on.
+
+Each attack runs bounded in count and time on loopback while a keyed victim sends HTTP and gRPC
+inference in a loop; the victim's every answer must succeed (and be a whole answer), and the
+workers' memory afterwards must be within MEMORY_SLACK of before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+from tritonclient.grpc import service_pb2 as pb
+
+from gateway.auth import hash_key
+from skewserve.triton_dist import PreparedTriton
+from skewserve.triton_process import TritonServer
+from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway, start_fleet, stop_fleet
+from tests.gateway.steady_load import check_infer_answer
+from tests.gateway.test_workers import ROW, workers_of
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.slow
+
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+VICTIM_KEY = "sk-victim-" + secrets.token_hex(8)
+SPENT_KEY = "sk-spent-" + secrets.token_hex(8)  # one token, taken before the attack
+BULK_KEY = "sk-bulk-" + secrets.token_hex(8)  # plenty of tokens, uploads in bulk
+MIB = 1 << 20
+# Resident memory a worker may keep after an attack, above what it held before.
+MEMORY_SLACK = 64 * MIB
+SMALL_BODY = json.dumps(
+    {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 8], "data": ROW.ravel().tolist()}]}
+).encode()
+
+
+@pytest.fixture(scope="module")
+def one_triton(
+    gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton
+) -> Iterator[dict[str, list[TritonServer]]]:
+    f = start_fleet(gateway_repo, {"us-east": 1}, tmp_path_factory.mktemp("round2_logs"), prepared_triton)
+    yield f
+    stop_fleet(f)
+
+
+@pytest.fixture(scope="module")
+def stack(one_triton, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayUnderTest]:
+    keys = [
+        {"name": "victim", "sha256": hash_key(VICTIM_KEY)},
+        {"name": "spent", "sha256": hash_key(SPENT_KEY), "rate_per_s": 0.001, "burst": 1},
+        {"name": "bulk", "sha256": hash_key(BULK_KEY), "rate_per_s": 1000, "burst": 1000},
+    ]
+    cfg = gateway_config(
+        one_triton,
+        listen={"workers": 2},
+        auth={"keys": keys},
+        cache={
+            "backend": "redis",
+            "redis_url": redis_url,
+            "namespace": f"round2-{os.getpid()}",
+            "hmac_secret": secrets.token_hex(32),
+            "models": ["lt"],
+        },
+        # Long enough that anything held until the body timer would outlast every wait below.
+        limits={
+            "max_request_bytes": MIB,
+            "max_buffered_body_bytes": 4 * MIB,
+            "body_read_timeout_s": 300.0,
+        },
+        health={"interval_s": 0.5, "eject_after_failures": 3},
+    )
+    g = launch_gateway(cfg, tmp_path_factory.mktemp("round2_gw"))
+    yield g
+    g.stop()
+
+
+def _bearer(key: str) -> str:
+    return f"Bearer {key}"
+
+
+class Victim:
+    """A keyed client sending HTTP and gRPC inference in a loop; every failure is kept."""
+
+    def __init__(self, gw: GatewayUnderTest) -> None:
+        self.gw = gw
+        self.ok = 0
+        self.failed: list[str] = []
+        self.lock = threading.Lock()
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import http.client
+
+        req = pb.ModelInferRequest(model_name="lt_nocache")
+        req.inputs.add(name="features", datatype="FP32", shape=[1, 8])
+        req.raw_input_contents.append(ROW.tobytes())
+        with grpc.insecure_channel(self.gw.grpc) as channel:
+            call = channel.unary_unary(
+                INFER,
+                request_serializer=pb.ModelInferRequest.SerializeToString,
+                response_deserializer=pb.ModelInferResponse.FromString,
+            )
+            while not self.stop_event.is_set():
+                try:
+                    conn = http.client.HTTPConnection(self.gw.http, timeout=20)
+                    conn.request(
+                        "POST",
+                        "/v2/models/lt_nocache/infer",
+                        SMALL_BODY,
+                        {"authorization": _bearer(VICTIM_KEY), "content-type": "application/json"},
+                    )
+                    resp = conn.getresponse()
+                    body = resp.read()
+                    conn.close()
+                    if resp.status != 200:
+                        raise RuntimeError(f"HTTP {resp.status}: {body[:200]!r}")
+                    check_infer_answer(body, rows=1)
+                    answer = call(req, timeout=20, metadata=(("authorization", _bearer(VICTIM_KEY)),))
+                    if len(answer.raw_output_contents) != len(answer.outputs) or not answer.outputs:
+                        raise RuntimeError(f"gRPC answer without its outputs: {answer}")
+                    with self.lock:
+                        self.ok += 1
+                except Exception as exc:
+                    with self.lock:
+                        self.failed.append(repr(exc)[:300])
+
+    def __enter__(self) -> Victim:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop_event.set()
+        self.thread.join(60)
+
+    def served(self) -> int:
+        with self.lock:
+            return self.ok
+
+    def wait_served(self, n: int) -> None:
+        """Until `n` rounds were answered; a failure on the way fails the test at once, by name."""
+
+        def done() -> bool:
+            with self.lock:
+                assert not self.failed, self.failed
+                return self.ok >= n
+
+        wait_until(done, 60, f"{n} answered rounds of the victim")
+
+
+def _worker_rss(gw: GatewayUnderTest) -> list[int]:
+    return [p.memory_info().rss for p in workers_of(gw)]
+
+
+def _assert_memory_returned(gw: GatewayUnderTest, before: list[int]) -> None:
+    after = _worker_rss(gw)
+    assert all(a - b < MEMORY_SLACK for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def _held_grpc_calls(
+    gw: GatewayUnderTest, channels: int, streams: int, message: bytes, metadata: tuple[tuple[str, str], ...]
+) -> list[str]:
+    """`channels` HTTP/2 connections of `streams` ModelInfer calls each: every call sends `message`
+    gzip-compressed and then holds its stream open, never ending it. Returns each call's outcome
+    once all have ended (or 'held' for one still open when the test gives up on it)."""
+
+    async def main() -> list[str]:
+        release = asyncio.Event()
+        outcomes: list[str] = []
+
+        async def requests() -> Any:
+            yield message
+            await release.wait()  # never sent: the stream stays open until the gateway ends it
+
+        async def one(channel: grpc.aio.Channel) -> None:
+            call = channel.stream_unary(INFER)(
+                requests(), metadata=metadata, compression=grpc.Compression.Gzip, timeout=120
+            )
+            try:
+                await call
+                outcomes.append("OK")
+            except grpc.aio.AioRpcError as exc:
+                outcomes.append(f"{exc.code().name}: {exc.details()}")
+
+        opened = [
+            grpc.aio.insecure_channel(gw.grpc, options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(channels)
+        ]
+        tasks = [asyncio.ensure_future(one(ch)) for ch in opened for _ in range(streams)]
+        done, pending = await asyncio.wait(tasks, timeout=60)
+        outcomes += ["held"] * len(pending)
+        release.set()
+        for task in pending:
+            task.cancel()
+        for ch in opened:
+            await ch.close()
+        return outcomes
+
+    return asyncio.run(main())
+
+
+def _zeros_request(size: int) -> bytes:
+    req = pb.ModelInferRequest(model_name="lt_nocache")
+    req.inputs.add(name="features", datatype="FP32", shape=[1, 8])
+    req.raw_input_contents.append(ROW.tobytes())
+    req.parameters["pad"].string_param = "0" * size
+    return req.SerializeToString()
+
+
+# -- 1 and 3: gRPC calls without a key are refused from their headers ---------------------------------
+def test_grpc_calls_without_a_key_are_refused_before_their_message_is_held(stack: GatewayUnderTest) -> None:
+    before = _worker_rss(stack)
+    with Victim(stack) as victim:
+        victim.wait_served(2)
+        # 4 connections x 50 streams, each a message of 900 KB of zeros in ~1 KB of gzip, never ended.
+        outcomes = _held_grpc_calls(stack, 4, 50, _zeros_request(900_000), ())
+        served_during = victim.served()
+    assert outcomes == ["UNAUTHENTICATED: missing API key: send 'Authorization: Bearer <key>' or "
+                        "'x-api-key: <key>'"] * 200, sorted(set(outcomes))  # fmt: skip
+    assert victim.failed == [] and served_during >= 2
+    _assert_memory_returned(stack, before)
+
+
+def test_grpc_calls_of_a_spent_key_are_refused_before_their_message_is_held(stack: GatewayUnderTest) -> None:
+    _spend(stack)
+    with Victim(stack) as victim:
+        victim.wait_served(2)
+        outcomes = _held_grpc_calls(
+            stack, 2, 20, _zeros_request(900_000), (("authorization", _bearer(SPENT_KEY)),)
+        )
+    assert all(o.startswith("RESOURCE_EXHAUSTED: rate limit for API key 'spent'") for o in outcomes), outcomes
+    assert victim.failed == []
+
+
+def _spend(gw: GatewayUnderTest) -> None:
+    """Take the spent key's one token (it refills one per 1,000 s)."""
+    import urllib.error
+    import urllib.request
+
+    for _ in range(2):
+        req = urllib.request.Request(
+            f"http://{gw.http}/v2/models/lt_nocache/infer",
+            data=SMALL_BODY,
+            headers={"authorization": _bearer(SPENT_KEY), "content-type": "application/json"},
+        )
+        try:
+            urllib.request.urlopen(req, timeout=20).read()
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 429, exc.read()
+
+
+# -- 2: HTTP: the rate limit comes before the body; one key cannot hold every worker's bytes ----------
+def _open_upload(gw: GatewayUnderTest, key: str, length: int, sent: int) -> socket.socket:
+    """An infer upload of `length` bytes declared, `sent` of them sent, the rest held back."""
+    host, port = gw.http.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(
+        b"POST /v2/models/lt_nocache/infer HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + key.encode() + b"\r\nContent-Length: %d\r\n\r\n" % length
+    )
+    s.sendall(b" " * sent)
+    return s
+
+
+def _answer_if_any(s: socket.socket, wait_s: float) -> bytes:
+    s.settimeout(wait_s)
+    try:
+        return s.recv(65536)
+    except TimeoutError:
+        return b""
+
+
+def test_a_key_without_tokens_is_refused_before_its_body_is_read(stack: GatewayUnderTest) -> None:
+    _spend(stack)
+    before = _worker_rss(stack)
+    with Victim(stack) as victim:
+        victim.wait_served(2)
+        uploads = [_open_upload(stack, SPENT_KEY, MIB, 900_000) for _ in range(10)]
+        try:
+            answers = [_answer_if_any(s, 20) for s in uploads]
+        finally:
+            for s in uploads:
+                s.close()
+    assert all(a.startswith(b"HTTP/1.1 429 ") and b"rate limit for API key 'spent'" in a for a in answers), [
+        a[:120] for a in answers
+    ]
+    assert victim.failed == []
+    _assert_memory_returned(stack, before)
+
+
+def test_one_key_cannot_hold_every_body_byte_of_a_worker(stack: GatewayUnderTest) -> None:
+    before = _worker_rss(stack)
+    with Victim(stack) as victim:
+        victim.wait_served(2)
+        # 10 uploads of 900 KB held: 9 MB over 2 workers of 4 MiB each, if nothing stopped them.
+        uploads = [_open_upload(stack, BULK_KEY, MIB, 900_000) for _ in range(10)]
+        try:
+            refused = [a for a in (_answer_if_any(s, 5) for s in uploads) if a]
+            mark = victim.served()
+            wait_until(
+                lambda: victim.served() >= mark + 3, 60, "the victim served while the uploads are held"
+            )
+            # Another key's large body still fits beside them.
+            big = f'{{"inputs":[{json.dumps(json.loads(SMALL_BODY)["inputs"][0])}]{" " * 800_000}}}'.encode()
+            import http.client
+
+            conn = http.client.HTTPConnection(stack.http, timeout=30)
+            conn.request("POST", "/v2/models/lt_nocache/infer", big, {"authorization": _bearer(VICTIM_KEY)})
+            resp = conn.getresponse()
+            big_answer = (resp.status, resp.read())
+        finally:
+            for s in uploads:
+                s.close()
+    assert refused, "no upload of the bulk key was refused"
+    for a in refused:
+        assert a.startswith(b"HTTP/1.1 503 ") and b"limits.max_buffered_body_bytes_per_caller" in a, a[:300]
+    assert big_answer[0] == 200, big_answer
+    assert victim.failed == []
+    _assert_memory_returned(stack, before)
