@@ -153,7 +153,7 @@ def connections_by_worker(
     worker processes' own sockets, and keep-alive keeps it there for every request on it."""
     workers = workers_of(gw)
     held: dict[int, list[http.client.HTTPConnection]] = {w.pid: [] for w in workers}
-    spare = []
+    spare: list[http.client.HTTPConnection] = []
     for _ in range(20 * per_worker):
         if all(len(c) >= per_worker for c in held.values()):
             break
