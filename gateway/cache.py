@@ -33,10 +33,20 @@ TAG_DOMAIN = b"skewserve-cache-entry-v2\0"
 
 
 def cache_key(
-    protocol: str, model: str, version: str, canonical_request: bytes, tensor_bytes: bytes = b""
+    protocol: str,
+    model: str,
+    version: str,
+    canonical_request: bytes,
+    tensor_bytes: bytes = b"",
+    tenant: str = "",
 ) -> str:
+    """The entry's name. `tenant` (cache.tenancy per_key: the API key's name) keeps each key's
+    entries apart; empty, the key is the shared one every caller can hit."""
     h = hashlib.sha256()
-    for part in (KEY_VERSION, protocol.encode(), model.encode(), version.encode()):
+    parts: tuple[bytes, ...] = (KEY_VERSION, protocol.encode(), model.encode(), version.encode())
+    if tenant:
+        parts += (b"tenant", tenant.encode())
+    for part in parts:
         h.update(len(part).to_bytes(4, "big"))
         h.update(part)
     h.update(len(canonical_request).to_bytes(8, "big"))
@@ -51,11 +61,17 @@ OFF_LOOP_BYTES = 256 * 1024
 
 
 async def cache_key_async(
-    protocol: str, model: str, version: str, canonical_request: bytes, tensor_bytes: bytes = b""
+    protocol: str,
+    model: str,
+    version: str,
+    canonical_request: bytes,
+    tensor_bytes: bytes = b"",
+    tenant: str = "",
 ) -> str:
+    args = (protocol, model, version, canonical_request, tensor_bytes, tenant)
     if len(canonical_request) + len(tensor_bytes) < OFF_LOOP_BYTES:
-        return cache_key(protocol, model, version, canonical_request, tensor_bytes)
-    return await asyncio.to_thread(cache_key, protocol, model, version, canonical_request, tensor_bytes)
+        return cache_key(*args)
+    return await asyncio.to_thread(cache_key, *args)
 
 
 class CacheStats:

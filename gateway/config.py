@@ -287,6 +287,12 @@ class CacheConfig(_Strict):
     ttl_s: float = Field(default=300.0, gt=0)
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "skewserve"
+    tenancy: Literal["shared", "per_key"] = Field(
+        default="shared",
+        description="shared: one entry per request, whoever sent it (a caller repeating another's exact "
+        "request gets its answer as a hit); per_key: entries are kept per API key, so no key learns "
+        "what another sent (with auth off there is one tenant)",
+    )
     hmac_secret: str = Field(
         default="", description="integrity key for Redis entries; required with backend redis"
     )

@@ -353,6 +353,12 @@ class Gateway:
                 pass
         return await self.dispatcher.send(model, version, None, deadline, attempt, route_any=True)
 
+    def cache_tenant(self, principal: Principal | None) -> str:
+        """The cache namespace of a caller: its key's name with cache.tenancy per_key, else shared."""
+        if principal is None or self.cfg.cache.tenancy == "shared":
+            return ""
+        return principal.name
+
     def cache_enabled(self, model: str) -> bool:
         return self.cache is not None and (self._cache_all or model in self._cache_models)
 

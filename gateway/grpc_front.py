@@ -411,7 +411,14 @@ class GrpcFront:
             trailing = [("x-request-id", request_id)]
             if gw.cache_enabled(model) and sequence_id is None:  # a sequence's answers depend on its state
                 raw, route, state = await self._cached(
-                    request, req, model, version, md.get(self.region_key), deadline, attempt
+                    request,
+                    req,
+                    model,
+                    version,
+                    md.get(self.region_key),
+                    deadline,
+                    attempt,
+                    gw.cache_tenant(principal),
                 )
                 trailing.append(("x-skewserve-cache", "hit" if state == "hit" else "miss"))
             else:
@@ -447,6 +454,7 @@ class GrpcFront:
         pinned: str | None,
         deadline: float,
         attempt: Any,
+        tenant: str = "",
     ) -> tuple[bytes, Any, str]:
         gw = self.gw
         if pinned is not None:
@@ -455,7 +463,13 @@ class GrpcFront:
         resolved = version or gw.router.latest_version(model)
         alias = None
         if not request_id and len(raw_request) < OFF_LOOP_BYTES:
-            context = b"%s\0%s\0%d/%d" % (model.encode(), resolved.encode(), self.max_batch, self.max_tensors)
+            context = b"%s\0%s\0%d/%d\0%s" % (
+                model.encode(),
+                resolved.encode(),
+                self.max_batch,
+                self.max_tensors,
+                tenant.encode(),
+            )
             alias = self.aliases.digest(context, raw_request)
             key = self.aliases.key(alias)
             stored = await gw.cache_lookup(key, model) if key is not None else None
@@ -467,7 +481,7 @@ class GrpcFront:
             material = await asyncio.to_thread(req.SerializeToString, deterministic=True)
         else:
             material = req.SerializeToString(deterministic=True)
-        key = await cache_key_async("grpc", model, resolved, material)
+        key = await cache_key_async("grpc", model, resolved, material, tenant=tenant)
         if alias is not None:
             self.aliases.remember(alias, key)
         route_box: list[Any] = []

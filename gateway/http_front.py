@@ -242,7 +242,7 @@ class HttpFront:
                 # Once per request: the alias and the key must name the same version.
                 resolved = version or gw.router.latest_version(model)
             if resolved is not None and encoding is None and len(body) < OFF_LOOP_BYTES:
-                alias = self._alias_digest(scope, model, resolved, hl, body)
+                alias = self._alias_digest(scope, model, resolved, hl, body, gw.cache_tenant(principal))
                 hit = await self._alias_hit(model, alias)
                 if hit is not None:
                     extra.append((b"x-skewserve-cache", b"hit"))
@@ -279,7 +279,15 @@ class HttpFront:
                 # (HTTP lets a server ignore Accept-Encoding), so entries are never gzip bytes.
                 forward = [(k, v) for k, v in forward if k != b"accept-encoding"]
                 resp, route, cache_state = await self._cached(
-                    model, version, resolved or "", pinned, deadline, request, attempt, alias
+                    model,
+                    version,
+                    resolved or "",
+                    pinned,
+                    deadline,
+                    request,
+                    attempt,
+                    alias,
+                    gw.cache_tenant(principal),
                 )
             else:
                 outcome = await gw.send(model, version, pinned, deadline, attempt, sequence_id=sequence_id)
@@ -313,7 +321,7 @@ class HttpFront:
         await send({"type": "http.response.body", "body": resp.body})
 
     def _alias_digest(
-        self, scope: dict[str, Any], model: str, resolved: str, hl: int | None, body: bytes
+        self, scope: dict[str, Any], model: str, resolved: str, hl: int | None, body: bytes, tenant: str
     ) -> bytes:
         """Names these exact bytes as accepted here: model, resolved version, path, header length and
         the limits the request was checked against (a reload may change them) all take part."""
@@ -324,6 +332,7 @@ class HttpFront:
                 scope["raw_path"],
                 scope.get("query_string") or b"",
                 b"%d/%d/%d" % (-1 if hl is None else hl, self.max_batch, self.max_tensors),
+                tenant.encode(),
             )
         )
         return self.aliases.digest(context, body)
@@ -365,6 +374,7 @@ class HttpFront:
         request: InferBody,
         attempt: Any,
         alias: bytes | None = None,
+        tenant: str = "",
     ) -> tuple[HttpResponse, Any, str]:
         gw = self.gw
         if len(request.body) < OFF_LOOP_BYTES:
@@ -375,7 +385,7 @@ class HttpFront:
         # "/3": walked headers keyed on their exact text, never equal to a canonical key.
         version_tag = "3" if request.keyed_on_text else "2"
         protocol = ("http-binary/" if request.header_length is not None else "http-json/") + version_tag
-        key = await cache_key_async(protocol, model, resolved, canonical, tensors)
+        key = await cache_key_async(protocol, model, resolved, canonical, tensors, tenant)
         if alias is not None and not request.request_id:
             self.aliases.remember(alias, key)
         route_box: list[Any] = []

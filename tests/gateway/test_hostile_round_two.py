@@ -328,3 +328,72 @@ def test_one_key_cannot_hold_every_body_byte_of_a_worker(stack: GatewayUnderTest
     assert big_answer[0] == 200, big_answer
     assert victim.failed == []
     _assert_memory_returned(stack, before)
+
+
+# -- 7: cache namespaces per key ------------------------------------------------------------------------
+def _cache_states(gw: GatewayUnderTest, key: str, body: bytes, req: pb.ModelInferRequest) -> tuple[str, str]:
+    """(HTTP, gRPC) x-skewserve-cache of one request of each protocol sent with `key`."""
+    import http.client
+
+    conn = http.client.HTTPConnection(gw.http, timeout=20)
+    conn.request("POST", "/v2/models/lt/infer", body, {"authorization": _bearer(key)})
+    resp = conn.getresponse()
+    check_infer_answer(resp.read(), rows=1)
+    http_state = resp.getheader("x-skewserve-cache") or ""
+    conn.close()
+    with grpc.insecure_channel(gw.grpc) as channel:
+        call = channel.unary_unary(
+            INFER,
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
+        _, rpc = call.with_call(req, timeout=20, metadata=(("authorization", _bearer(key)),))
+    grpc_state = dict(rpc.trailing_metadata() or ()).get("x-skewserve-cache", "")
+    return http_state, str(grpc_state)
+
+
+def _cached_request(seed: float) -> tuple[bytes, pb.ModelInferRequest]:
+    row = (ROW + seed).astype("float32")
+    body = json.dumps(
+        {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 8], "data": row.ravel().tolist()}]}
+    ).encode()
+    req = pb.ModelInferRequest(model_name="lt")
+    req.inputs.add(name="features", datatype="FP32", shape=[1, 8])
+    req.raw_input_contents.append(row.tobytes())
+    return body, req
+
+
+def test_with_per_key_tenancy_no_key_hits_another_keys_entry(
+    one_triton, redis_url: str, make_gateway
+) -> None:
+    keys = [
+        {"name": "victim", "sha256": hash_key(VICTIM_KEY)},
+        {"name": "bulk", "sha256": hash_key(BULK_KEY)},
+    ]
+    gw = make_gateway(
+        gateway_config(
+            one_triton,
+            listen={"workers": 2},
+            auth={"keys": keys},
+            cache={
+                "backend": "redis",
+                "redis_url": redis_url,
+                "namespace": f"tenancy-{os.getpid()}",
+                "hmac_secret": secrets.token_hex(32),
+                "models": ["lt"],
+                "tenancy": "per_key",
+            },
+        )
+    )
+    body, req = _cached_request(0.25)
+    assert _cache_states(gw, VICTIM_KEY, body, req) == ("miss", "miss")
+    assert _cache_states(gw, VICTIM_KEY, body, req) == ("hit", "hit")  # a key's own entries serve it
+    assert _cache_states(gw, BULK_KEY, body, req) == ("miss", "miss")  # never another key's
+    assert _cache_states(gw, BULK_KEY, body, req) == ("hit", "hit")
+
+
+def test_with_shared_tenancy_every_key_hits_one_entry(stack: GatewayUnderTest) -> None:
+    """The default, documented: one entry per request, whoever sent it."""
+    body, req = _cached_request(0.5)
+    assert _cache_states(stack, VICTIM_KEY, body, req) == ("miss", "miss")
+    assert _cache_states(stack, BULK_KEY, body, req) == ("hit", "hit")

@@ -181,6 +181,18 @@ def test_cache_key_changes_with_every_part(
 
 def test_cache_key_parts_cannot_run_into_each_other() -> None:
     assert cache_key("grpc", "ab", "1", b"c") != cache_key("grpc", "a", "b1", b"c")
+    # Tenants (cache.tenancy per_key) never share a key with each other or with the shared space.
+    shared = cache_key("grpc", "m", "1", b"c")
+    assert (
+        len(
+            {
+                shared,
+                cache_key("grpc", "m", "1", b"c", tenant="a"),
+                cache_key("grpc", "m", "1", b"c", tenant="b"),
+            }
+        )
+        == 3
+    )
 
 
 def test_memory_cache_is_bounded_in_bytes_and_expires() -> None:
