@@ -103,7 +103,9 @@ class HttpPool:
         self.address = address
         self.unix_path = unix_path  # connect here instead (a local HAProxy); `address` names it in errors
         host, _, port = address.rpartition(":")
-        self.host, self.port = host, int(port) if port.isdigit() else 0
+        # "[::1]:8000": the brackets belong to the address text (and the Host header), not the host.
+        self.host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        self.port = int(port) if port.isdigit() else 0
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
         self._idle: deque[_Connection] = deque()

@@ -11,11 +11,15 @@ from typing import Any
 
 
 class TcpRelay:
-    def __init__(self, target: str, hold: bool = False) -> None:
+    def __init__(self, target: str, hold: bool = False, listen_host: str = "127.0.0.1") -> None:
         host, port = target.rsplit(":", 1)
         self.target = (host, int(port))
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        ipv6 = ":" in listen_host
+        self.listener = socket.create_server(
+            (listen_host, 0), family=socket.AF_INET6 if ipv6 else socket.AF_INET
+        )
+        shown = f"[{listen_host}]" if ipv6 else listen_host
+        self.address = f"{shown}:{self.listener.getsockname()[1]}"
         self.sent = bytearray()
         self.lock = threading.Lock()
         self.released = threading.Event()

@@ -397,3 +397,48 @@ def test_with_shared_tenancy_every_key_hits_one_entry(stack: GatewayUnderTest) -
     body, req = _cached_request(0.5)
     assert _cache_states(stack, VICTIM_KEY, body, req) == ("miss", "miss")
     assert _cache_states(stack, BULK_KEY, body, req) == ("hit", "hit")
+
+
+# -- 9: servers at IPv6 addresses ---------------------------------------------------------------------------
+def test_servers_at_ipv6_addresses_serve_both_protocols(one_triton, make_gateway) -> None:
+    """A server named by a bracketed IPv6 address (as discovery writes one) is probed and serves
+    HTTP and gRPC: the brackets belong to the address text, never to the host connected to."""
+    from tests.gateway.relay import TcpRelay
+
+    triton = one_triton["us-east"][0]
+    http_relay = TcpRelay(triton.http_address, listen_host="::1")
+    grpc_relay = TcpRelay(triton.grpc_address, listen_host="::1")
+    try:
+        assert http_relay.address.startswith("[::1]:")
+        cfg = gateway_config(one_triton, cache={"backend": "none"})
+        cfg["regions"] = [
+            {
+                "name": "us-east",
+                "servers": [{"name": "v6", "http": http_relay.address, "grpc": grpc_relay.address}],
+            }
+        ]
+        gw = make_gateway(cfg)
+        wait_until(lambda: gw.server("v6")["healthy"], 30, "the IPv6 server to be probed healthy")
+        import urllib.request
+
+        req = urllib.request.Request(
+            f"http://{gw.http}/v2/models/lt_nocache/infer",
+            data=SMALL_BODY,
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=20) as r:
+            check_infer_answer(r.read(), rows=1)
+            assert r.headers["x-skewserve-server"] == "v6"
+        req_pb = pb.ModelInferRequest(model_name="lt_nocache")
+        req_pb.inputs.add(name="features", datatype="FP32", shape=[1, 8])
+        req_pb.raw_input_contents.append(ROW.tobytes())
+        with grpc.insecure_channel(gw.grpc) as channel:
+            call = channel.unary_unary(
+                INFER,
+                request_serializer=pb.ModelInferRequest.SerializeToString,
+                response_deserializer=pb.ModelInferResponse.FromString,
+            )
+            assert call(req_pb, timeout=20).outputs
+    finally:
+        http_relay.close()
+        grpc_relay.close()
