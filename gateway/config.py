@@ -69,6 +69,19 @@ class EndpointSliceConfig(_Strict):
     watch_timeout_s: int = Field(
         default=300, ge=1, description="server-side bound on one watch request; then it is renewed"
     )
+    managed_by: list[str] = Field(
+        default_factory=lambda: ["endpointslice-controller.k8s.io"],
+        min_length=1,
+        description="EndpointSlices count only when their endpointslice.kubernetes.io/managed-by label "
+        "names one of these: the label selector alone would let anyone who may create a slice in the "
+        "namespace add servers",
+    )
+    max_event_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=64 * 1024,
+        description="largest watch event read; a longer one ends the watch and lists again "
+        "(a slice holds at most 1,000 endpoints, well under 1 MiB)",
+    )
 
     @field_validator("api_url")
     @classmethod

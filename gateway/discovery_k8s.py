@@ -34,6 +34,7 @@ from gateway.discovery import DiscoveredRegion, DiscoverySource, Endpoint
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
 
 
 class KubernetesApiError(Exception):
@@ -85,6 +86,7 @@ class EndpointSliceSource(DiscoverySource):
         self.url = ""
         self.lists = 0
         self.events = 0
+        self.untrusted = 0  # slices with the service label that no trusted manager made
 
     # -- connection -------------------------------------------------------------------------------
     async def _connect(self) -> None:
@@ -147,7 +149,9 @@ class EndpointSliceSource(DiscoverySource):
         ) as resp:
             await self._check(resp, "listing EndpointSlices")
             body = await resp.json(content_type=None)
-        self.slices = {item["metadata"]["name"]: item for item in body.get("items") or []}
+        self.slices = {
+            item["metadata"]["name"]: item for item in body.get("items") or [] if self._trusted(item)
+        }
         self.resource_version = str(body["metadata"]["resourceVersion"])
         self.lists += 1
         await self._report()
@@ -170,8 +174,28 @@ class EndpointSliceSource(DiscoverySource):
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
+                    if len(line) > self.k8s.max_event_bytes:
+                        raise self._too_long(len(line))
                     if line.strip():
                         await self._event(json.loads(line))
+                if len(pending) > self.k8s.max_event_bytes:
+                    raise self._too_long(len(pending))
+
+    def _too_long(self, n: int) -> KubernetesApiError:
+        # Listing again resumes from a consistent state; the long event is never held whole.
+        self.resource_version = None
+        return KubernetesApiError(
+            f"watch event of more than {n} bytes, above discover.endpointslices.max_event_bytes "
+            f"({self.k8s.max_event_bytes}): listing again"
+        )
+
+    def _trusted(self, item: dict[str, Any]) -> bool:
+        """A slice made by a manager this region trusts (the EndpointSlice controller by default)."""
+        labels = (item.get("metadata") or {}).get("labels") or {}
+        trusted = labels.get(MANAGED_BY_LABEL) in self.k8s.managed_by
+        if not trusted:
+            self.untrusted += 1
+        return trusted
 
     async def _event(self, event: dict[str, Any]) -> None:
         kind, obj = event.get("type"), event.get("object") or {}
@@ -183,8 +207,10 @@ class EndpointSliceSource(DiscoverySource):
         if meta.get("resourceVersion"):
             self.resource_version = str(meta["resourceVersion"])
         self.events += 1
-        if kind in ("ADDED", "MODIFIED"):
+        if kind in ("ADDED", "MODIFIED") and self._trusted(obj):
             self.slices[meta["name"]] = obj
+        elif kind == "MODIFIED":  # relabelled away from a trusted manager: no longer counts
+            self.slices.pop(meta.get("name", ""), None)
         elif kind == "DELETED":
             self.slices.pop(meta.get("name", ""), None)
         else:  # BOOKMARK: only the resourceVersion moves

@@ -21,6 +21,8 @@ from typing import Any
 from aiohttp import web
 
 SERVICE_LABEL = "kubernetes.io/service-name"
+MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
+CONTROLLER = "endpointslice-controller.k8s.io"
 
 
 def endpoint(
@@ -87,10 +89,16 @@ class KubeApi:
         ports: dict[str, int],
         service: str = "triton",
         compact: bool = False,
+        managed_by: str | None = CONTROLLER,
+        annotations: dict[str, str] | None = None,
     ) -> None:
         """Create or replace a slice (ADDED / MODIFIED). `compact`: in the same step, end open watches
-        and forget every event up to this one, so a watch from before it gets 410 and must list."""
-        self._call(self._put, name, endpoints, ports, service, compact)
+        and forget every event up to this one, so a watch from before it gets 410 and must list.
+        `managed_by`: its endpointslice.kubernetes.io/managed-by label (None: no such label)."""
+        labels = {SERVICE_LABEL: service}
+        if managed_by is not None:
+            labels[MANAGED_BY_LABEL] = managed_by
+        self._call(self._put, name, endpoints, ports, labels, compact, annotations or {})
 
     def delete(self, name: str) -> None:
         self._call(self._delete, name)
@@ -103,13 +111,24 @@ class KubeApi:
         self.changed = asyncio.Event()
 
     def _put(
-        self, name: str, endpoints: list[dict[str, Any]], ports: dict[str, int], service: str, compact: bool
+        self,
+        name: str,
+        endpoints: list[dict[str, Any]],
+        ports: dict[str, int],
+        labels: dict[str, str],
+        compact: bool,
+        annotations: dict[str, str],
     ) -> None:
         kind = "MODIFIED" if name in self.slices else "ADDED"
         obj = {
             "apiVersion": "discovery.k8s.io/v1",
             "kind": "EndpointSlice",
-            "metadata": {"name": name, "namespace": self.namespace, "labels": {SERVICE_LABEL: service}},
+            "metadata": {
+                "name": name,
+                "namespace": self.namespace,
+                "labels": labels,
+                "annotations": annotations,
+            },
             "addressType": "IPv4",
             "endpoints": endpoints,
             "ports": [{"name": n, "port": p, "protocol": "TCP"} for n, p in ports.items()],

@@ -327,6 +327,7 @@ def test_endpointslice_watch_relists_after_410_and_refuses_a_wrong_token(
                         "api_url": api.url,
                         "token_file": str(token),
                         "ca_file": None,
+                        "max_event_bytes": 65536,
                     },
                 },
             }
@@ -338,6 +339,18 @@ def test_endpointslice_watch_relists_after_410_and_refuses_a_wrong_token(
         assert gw.admin()["servers"] == [] and "HTTP 401" in gw.log_path.read_text()
         token.write_text("fresh-token")  # kubelet rotated the projected token
         wait_until(lambda: [s["name"] for s in gw.admin()["servers"]] == [f"local/{host}"], 30, "listed")
+        # A slice with the Service's label that the EndpointSlice controller did not make (anyone
+        # allowed to create slices in the namespace could) adds no server, listed or watched.
+        api.put("forged", [endpoint("127.0.0.7")], ports, managed_by="someone-else")
+        api.put("unlabelled", [endpoint("127.0.0.8")], ports, managed_by=None)
+        # An event longer than max_event_bytes is never held whole: the watch ends and lists again.
+        lists = api.lists
+        api.put("triton-a", [endpoint(host)], ports, annotations={"padding": "x" * 200_000})
+        wait_until(lambda: api.lists > lists, 30, "a re-list after the oversized event")
+        assert (
+            "above discover.endpointslices.max_event_bytes (65536): listing again" in gw.log_path.read_text()
+        )
+        assert [s["name"] for s in gw.admin()["servers"]] == [f"local/{host}"]
         lists = api.lists
         # The change comes with a compaction: the watch's version is gone, the next watch gets 410,
         # and the change arrives by a new list.
