@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import json.decoder
+import math
 import re
 import zlib
 from typing import Any
@@ -512,6 +513,54 @@ def _may_nest_deeper_than(text: str, limit: int) -> bool:
 
 _loads_small = json.JSONDecoder(object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant).decode
 
+# What Python's JSON reader accepts and Triton's (RapidJSON) refuses, with HTTP 500 that would count
+# against a healthy server: a high surrogate escape without its low one, and numbers beyond a double.
+# An escape counts only after an even run of backslashes ("\\ud800" is text, not an escape).
+_SURROGATE_ESCAPE = re.compile(
+    r"(?<!\\)(?:\\\\)*\\u([dD][89a-fA-F][0-9a-fA-F]{2})(?:\\u([dD][89a-fA-F][0-9a-fA-F]{2}))?"
+)
+# A cheap over-estimate of numbers that may not fit a double: an exponent of 3+ digits, or 309+ digits.
+_MAY_OVERFLOW = re.compile(r"[eE][+]?0*[1-9][0-9]{2}|[0-9]{309}")
+
+
+class _Overflow(ValueError):
+    pass
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _Overflow(text)
+    return value
+
+
+_numbers_only = json.JSONDecoder(
+    parse_float=_finite, parse_int=_finite, parse_constant=_refuse_constant
+).decode
+
+
+def check_triton_json(text: str) -> None:
+    """BadRequest for JSON Triton refuses but Python reads: a lone high surrogate escape, or a number
+    beyond a double (Python reads 1e999 as inf and would forward it as "Infinity")."""
+    if "\\u" in text:
+        for m in _SURROGATE_ESCAPE.finditer(text):
+            # RapidJSON refuses a high surrogate without its low one; a lone low one it passes on.
+            first, second = int(m.group(1), 16), m.group(2)
+            if first < 0xDC00 and (second is None or not 0xDC00 <= int(second, 16) <= 0xDFFF):
+                raise BadRequest(
+                    f"the request JSON has an unpaired surrogate escape \\u{m.group(1)} at character "
+                    f"{m.start(1) - 2}; send UTF-8 text or a surrogate pair (Triton refuses it)"
+                )
+    if _MAY_OVERFLOW.search(text):
+        try:
+            _numbers_only(text)
+        except _Overflow as exc:
+            raise BadRequest(
+                f"the request JSON has the number {str(exc)[:40]}, beyond a 64-bit float; Triton refuses it"
+            ) from None
+        except (ValueError, RecursionError):
+            pass  # malformed or deep: the walk names what is wrong
+
 
 def parse_header_length(value: bytes | None) -> int | None:
     """Inference-Header-Content-Length: absent, or a non-negative decimal integer."""
@@ -593,6 +642,7 @@ def parse_infer_body(
         text = raw.decode("utf-8")  # Triton reads UTF-8 only (Python's json would guess UTF-16/32)
     except UnicodeDecodeError as exc:
         raise BadRequest(f"the request JSON is not valid UTF-8 at byte {exc.start}") from None
+    check_triton_json(text)
     if len(text) < (CANONICAL_BYTES if canonical_bytes is None else canonical_bytes):
         try:
             header = _loads_small(text)

@@ -442,3 +442,49 @@ def test_servers_at_ipv6_addresses_serve_both_protocols(one_triton, make_gateway
     finally:
         http_relay.close()
         grpc_relay.close()
+
+
+# -- 4: JSON Triton refuses with a 500 is refused by the gateway, never counted against the server ---------
+def _direct(address: str, body: bytes) -> int:
+    import http.client
+
+    conn = http.client.HTTPConnection(address, timeout=20)
+    conn.request("POST", "/v2/models/lt_nocache/infer", body, {"content-type": "application/json"})
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+@pytest.mark.parametrize(
+    ("case", "named"),
+    [
+        ('"id":"\\ud800",', "unpaired surrogate escape \\ud800"),
+        ('"parameters":{"p":1e999},', "the number 1e999, beyond a 64-bit float"),
+        # A header over 16 KiB takes the other reader (forwarded as received): the same rules.
+        ('"id":"\\ud800","parameters":{"pad":"' + "p" * 20_000 + '"},', "unpaired surrogate escape \\ud800"),
+        ('"parameters":{"p":-1E+400,"pad":"' + "p" * 20_000 + '"},', "the number -1E+400, beyond"),
+    ],
+)
+def test_json_triton_refuses_is_a_400_and_ejects_nothing(
+    stack: GatewayUnderTest, one_triton, case: str, named: str
+) -> None:
+    body = SMALL_BODY.replace(b"{", b"{" + case.encode(), 1)
+    triton = one_triton["us-east"][0]
+    assert _direct(triton.http_address, body) >= 400  # Triton refuses it too (with a 500 or a 400)
+    failures = _failures(stack)
+    import http.client
+
+    for _ in range(30):  # 10x the ejection threshold
+        conn = http.client.HTTPConnection(stack.http, timeout=20)
+        conn.request("POST", "/v2/models/lt_nocache/infer", body, {"authorization": _bearer(VICTIM_KEY)})
+        resp = conn.getresponse()
+        answer = resp.read()
+        conn.close()
+        assert resp.status == 400 and named in json.loads(answer)["error"], answer[:300]
+    assert _failures(stack) == failures
+    assert all(s["healthy"] for view in stack.admin()["workers"] for s in view["servers"])
+
+
+def _failures(gw: GatewayUnderTest) -> int:
+    """Failures counted against servers, summed over the workers' views."""
+    return sum(int(s["failures"]) for view in gw.admin()["workers"] for s in view["servers"])
