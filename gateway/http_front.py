@@ -98,6 +98,18 @@ def parse_infer_path(path: str) -> tuple[str, str] | None:
     return None
 
 
+# Triton answers JSON it cannot read with HTTP 500 and this text: the request's fault, not the server's.
+_TRITON_PARSE_ERROR = b'{"error":"failed to parse the request JSON buffer'
+
+
+def as_client_error(resp: HttpResponse) -> HttpResponse:
+    """Triton's answer, with a 500 the request itself caused (JSON Triton could not read) made the
+    400 it is, so it is never counted against the server nor retried elsewhere."""
+    if resp.status == 500 and resp.body.startswith(_TRITON_PARSE_ERROR):
+        return HttpResponse(400, resp.headers, resp.body)
+    return resp
+
+
 def _encode_entry(resp: HttpResponse) -> bytes:
     meta = json.dumps(
         {"h": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in resp.headers if k.lower() in _RETURN]}
@@ -262,13 +274,13 @@ class HttpFront:
 
             async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
                 if request is None:
-                    return await server.http_request(b"POST", path, body, forward, timeout_s)
+                    return as_client_error(await server.http_request(b"POST", path, body, forward, timeout_s))
                 # Triton stops work the gateway has given up on: pass this attempt's bound on.
                 data, n = request.with_timeout(timeout_s)
                 headers = (
                     forward if n is None else [*forward, (b"inference-header-content-length", b"%d" % n)]
                 )
-                return await server.http_request(b"POST", path, data, headers, timeout_s)
+                return as_client_error(await server.http_request(b"POST", path, data, headers, timeout_s))
 
             cache_state = None
             # A sequence's answers depend on its server-side state: never cached, never moved.

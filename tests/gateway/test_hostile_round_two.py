@@ -463,6 +463,9 @@ def _direct(address: str, body: bytes) -> int:
         # A header over 16 KiB takes the other reader (forwarded as received): the same rules.
         ('"id":"\\ud800","parameters":{"pad":"' + "p" * 20_000 + '"},', "unpaired surrogate escape \\ud800"),
         ('"parameters":{"p":-1E+400,"pad":"' + "p" * 20_000 + '"},', "the number -1E+400, beyond"),
+        # Large plain JSON for an uncached model is forwarded unread: Triton's own parse error,
+        # answered as the client's (400), not the server's.
+        ('"parameters":{"p":1e999,"pad":"' + "p" * 300_000 + '"},', "failed to parse the request JSON"),
     ],
 )
 def test_json_triton_refuses_is_a_400_and_ejects_nothing(
