@@ -415,6 +415,19 @@ class LimitsConfig(_Strict):
         description="HTTP connections (and in-flight requests) the public listener holds at once; "
         "beyond it new ones get 503 (uvicorn limit_concurrency)",
     )
+    max_connections_per_source: int = Field(
+        default=256,
+        ge=0,
+        description="connections one client address (an IPv6 /64) may hold open on each public port; "
+        "beyond it new ones are refused (HTTP: 503, split evenly over listen.workers; gRPC: closed "
+        "by HAProxy). Behind a proxy that hides client addresses, raise it or set 0 (off)",
+    )
+    keep_alive_timeout_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="an idle kept-alive connection (HTTP/1.1 between requests, HTTP/2 without open "
+        "streams) is closed after this long",
+    )
     max_batch_size: int = Field(
         default=0, ge=0, description="0 = no gateway limit (Triton still enforces its own)"
     )

@@ -35,6 +35,8 @@ def data_plane_spec(
         admin_socket=directory / "admin.sock",
         header_read_timeout_s=limits.header_read_timeout_s,
         max_connections=limits.max_connections,
+        max_connections_per_source=limits.max_connections_per_source,
+        keep_alive_timeout_s=limits.keep_alive_timeout_s,
         connect_timeout_s=cfg.retries.connect_timeout_s,
         # One HAProxy thread: measured on 2 cores with 2 workers, a second thread cost 40% more CPU
         # per call (72 -> 103 µs) and lowered throughput; one thread carries tens of thousands of calls/s.

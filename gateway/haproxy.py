@@ -69,6 +69,20 @@ class DataPlaneSpec:
     max_connections: int
     connect_timeout_s: float = 1.0
     threads: int = 1
+    max_connections_per_source: int = 0  # 0: any number
+    keep_alive_timeout_s: float = 75.0
+
+
+def _per_source(limit: int) -> str:
+    """Open connections per client address (an IPv6 /64, as the HTTP side keys them), counted in a
+    stick table bounded in entries; one past the limit is closed before a byte is read."""
+    if not limit:
+        return ""
+    return f"""\
+  stick-table type ipv6 size 100k expire 60s store conn_cur
+  tcp-request connection track-sc0 src,ipmask(32,64)
+  tcp-request connection reject if {{ sc0_conn_cur gt {limit} }}
+"""
 
 
 def render_config(spec: DataPlaneSpec) -> str:
@@ -99,7 +113,10 @@ defaults
 frontend grpc_in
   bind fd@{spec.grpc_fd} proto h2
   maxconn {spec.max_connections}
-  http-request set-header {PEER_HEADER} %[src]
+  # Clients' idle connections (no open stream) close after limits.keep_alive_timeout_s; the
+  # workers' own relay connections (grpc_out) keep the default.
+  timeout http-keep-alive {spec.keep_alive_timeout_s:g}s
+{_per_source(spec.max_connections_per_source)}  http-request set-header {PEER_HEADER} %[src]
   http-request del-header {TARGET_IP_HEADER}
   http-request del-header {TARGET_PORT_HEADER}
   default_backend workers

@@ -21,6 +21,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config import GatewayConfig
+from gateway.limits import client_key
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +68,15 @@ class _OneWrite:
 
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):
-    header_timeout_s = 10.0  # set per listener by `with_header_timeout`
+    # Set per listener by `with_header_timeout`.
+    header_timeout_s = 10.0
+    max_per_source = 0  # 0: no per-source bound
+    sources: dict[str, int] = {}  # open connections by client key, one dict per listener class
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._source: str | None = None  # counted in `sources` while open
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
@@ -95,10 +100,38 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.max_per_source and not self._admit_source():
+            return
         self._arm_header_timer()  # a connection that sends nothing is bounded too
+
+    def _admit_source(self) -> bool:
+        """Count this connection against its client address; past the bound, 503 and close."""
+        source = client_key(self.client[0]) if self.client else ""
+        held = self.sources.get(source, 0)
+        if held >= self.max_per_source:
+            body = (
+                b'{"error":"this client address holds too many connections (limits.max_connections_per_source); '
+                b'reuse kept-alive connections or close idle ones"}'
+            )
+            self.transport.write(
+                b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            self.transport.close()
+            return False
+        self.sources[source] = held + 1
+        self._source = source
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        if self._source is not None:
+            left = self.sources.get(self._source, 1) - 1
+            if left > 0:
+                self.sources[self._source] = left
+            else:
+                self.sources.pop(self._source, None)  # the map holds open sources only
+            self._source = None
         super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
@@ -119,9 +152,20 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             self.cycle.transport = _OneWrite(self.transport, self.loop)  # type: ignore[assignment]
 
 
-def with_header_timeout(timeout_s: float) -> type[HeaderTimeoutProtocol]:
-    """The protocol class for one listener, closing connections whose headers take over `timeout_s`."""
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": timeout_s})
+def with_header_timeout(timeout_s: float, max_per_source: int = 0) -> type[HeaderTimeoutProtocol]:
+    """The protocol class for one listener: connections whose headers take over `timeout_s` are
+    closed, and one client address holds at most `max_per_source` connections (0: any number)."""
+    return type(
+        "HeaderTimeoutProtocol",
+        (HeaderTimeoutProtocol,),
+        {"header_timeout_s": timeout_s, "max_per_source": max_per_source, "sources": {}},
+    )
+
+
+def per_worker_share(limit: int, workers: int) -> int:
+    """A per-source bound split over worker processes (the kernel spreads a source's connections
+    over them): each holds its share, rounded up; 0 stays 0 (off)."""
+    return -(-limit // max(workers, 1)) if limit else 0
 
 
 def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
@@ -131,7 +175,10 @@ def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
         app,
         loop="none",
         # httptools with a bound on receiving headers (uvicorn has none: slowloris).
-        http=with_header_timeout(cfg.limits.header_read_timeout_s),
+        http=with_header_timeout(
+            cfg.limits.header_read_timeout_s,
+            per_worker_share(cfg.limits.max_connections_per_source, cfg.listen.workers),
+        ),
         # Connections plus in-flight requests; beyond it uvicorn answers 503 and sockets stop growing.
         limit_concurrency=cfg.limits.max_connections,
         lifespan="off",
@@ -139,7 +186,7 @@ def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
         proxy_headers=False,  # the gateway is the edge: no X-Forwarded-* rewriting per request
         server_header=False,
         log_config=None,
-        timeout_keep_alive=75,
+        timeout_keep_alive=cfg.limits.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn takes a float
         timeout_graceful_shutdown=int(cfg.drain.timeout_s),
         backlog=2048,
     )

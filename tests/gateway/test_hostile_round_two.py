@@ -92,8 +92,9 @@ def _bearer(key: str) -> str:
 class Victim:
     """A keyed client sending HTTP and gRPC inference in a loop; every failure is kept."""
 
-    def __init__(self, gw: GatewayUnderTest) -> None:
+    def __init__(self, gw: GatewayUnderTest, key: str | None = VICTIM_KEY) -> None:
         self.gw = gw
+        self.auth = () if key is None else (("authorization", _bearer(key)),)
         self.ok = 0
         self.failed: list[str] = []
         self.lock = threading.Lock()
@@ -119,7 +120,7 @@ class Victim:
                         "POST",
                         "/v2/models/lt_nocache/infer",
                         SMALL_BODY,
-                        {"authorization": _bearer(VICTIM_KEY), "content-type": "application/json"},
+                        {**dict(self.auth), "content-type": "application/json"},
                     )
                     resp = conn.getresponse()
                     body = resp.read()
@@ -127,7 +128,7 @@ class Victim:
                     if resp.status != 200:
                         raise RuntimeError(f"HTTP {resp.status}: {body[:200]!r}")
                     check_infer_answer(body, rows=1)
-                    answer = call(req, timeout=20, metadata=(("authorization", _bearer(VICTIM_KEY)),))
+                    answer = call(req, timeout=20, metadata=self.auth)
                     if len(answer.raw_output_contents) != len(answer.outputs) or not answer.outputs:
                         raise RuntimeError(f"gRPC answer without its outputs: {answer}")
                     with self.lock:
@@ -491,3 +492,103 @@ def test_json_triton_refuses_is_a_400_and_ejects_nothing(
 def _failures(gw: GatewayUnderTest) -> int:
     """Failures counted against servers, summed over the workers' views."""
     return sum(int(s["failures"]) for view in gw.admin()["workers"] for s in view["servers"])
+
+
+# -- 5: connection floods: per-source bounds and idle kept-alive connections ----------------------------
+FLOODER = "127.0.0.2"  # the attacker's own loopback address; the victim connects from 127.0.0.1
+H2_OPENING = (
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+)  # preface, SETTINGS
+
+
+@pytest.fixture()
+def bounded(one_triton, make_gateway) -> GatewayUnderTest:
+    return make_gateway(
+        gateway_config(
+            one_triton,
+            listen={"workers": 2},
+            cache={"backend": "none"},
+            limits={"max_connections_per_source": 8, "keep_alive_timeout_s": 2.0},
+        )
+    )
+
+
+def _connect_from(address: str, source: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0))
+
+
+def _closed_by_server(s: socket.socket) -> bool:  # for HTTP: what it sent before is not needed
+    """Whether the server has closed `s` (everything it sent before that is read and dropped)."""
+    s.setblocking(False)
+    try:
+        while True:
+            if s.recv(65536) == b"":
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True  # reset
+
+
+def test_one_source_cannot_fill_the_http_port_and_idle_connections_close(bounded: GatewayUnderTest) -> None:
+    held: list[socket.socket] = []
+    refused = 0
+    with Victim(bounded, key=None) as victim:
+        victim.wait_served(2)
+        for _ in range(40):  # each sends one health check, reads its answer, then idles
+            s = _connect_from(bounded.http, FLOODER)
+            s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: gw\r\n\r\n")
+            answer = s.recv(65536)
+            if answer.startswith(b"HTTP/1.1 200 "):
+                held.append(s)
+            else:
+                assert answer.startswith(b"HTTP/1.1 503 ") and b"limits.max_connections_per_source" in answer
+                refused += 1
+                s.close()
+        victim.wait_served(victim.served() + 3)  # served while the flood holds its connections
+        # Kept-alive connections left idle are closed by the gateway (limits.keep_alive_timeout_s).
+        wait_until(lambda: all(_closed_by_server(s) for s in held), 30, "idle connections to be closed")
+        # ... and the source may connect again.
+        again = _connect_from(bounded.http, FLOODER)
+        again.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: gw\r\n\r\n")
+        assert again.recv(65536).startswith(b"HTTP/1.1 200 ")
+        again.close()
+    for s in held:
+        s.close()
+    assert len(held) <= 8 and refused >= 32, (len(held), refused)  # 4 per worker
+    assert victim.failed == []
+
+
+def test_one_source_cannot_fill_the_grpc_port_and_idle_connections_close(bounded: GatewayUnderTest) -> None:
+    opened = [_connect_from(bounded.grpc, FLOODER) for _ in range(20)]
+    heard = [0] * len(opened)  # bytes HAProxy sent on each (its SETTINGS, for an accepted one)
+
+    def closed(i: int) -> bool:
+        s = opened[i]
+        s.setblocking(False)
+        try:
+            while chunk := s.recv(65536):
+                heard[i] += len(chunk)
+            return True
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True  # reset
+
+    try:
+        for s in opened:
+            try:
+                s.sendall(H2_OPENING)
+            except OSError:
+                pass  # already refused
+        with Victim(bounded, key=None) as victim:
+            victim.wait_served(3)
+        # HAProxy closes connections past the bound before a byte is exchanged; the others get its
+        # SETTINGS, and are closed once idle for limits.keep_alive_timeout_s.
+        wait_until(lambda: all(closed(i) for i in range(len(opened))), 30, "every connection to be closed")
+    finally:
+        for s in opened:
+            s.close()
+    assert sum(1 for n in heard if n > 0) == 8, heard
+    assert victim.failed == []
