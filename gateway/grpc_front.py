@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -21,6 +22,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from gateway.cache import cache_key_async
 from gateway.cache_alias import ExactAliases
+from gateway.config import TlsConfig
 from gateway.core import Gateway
 from gateway.errors import BadRequest, GatewayError, grpc_code_for
 from gateway.grpc_bridge import Precheck
@@ -177,8 +179,8 @@ class GrpcFront:
             SERVICE, {name: raw(fn) for name, fn in self.methods().items()}
         )
 
-    async def start(self, host: str, port: int) -> int:
-        """Bind and serve; ListenError names listen.grpc_port when the port is taken."""
+    async def start(self, host: str, port: int, tls: TlsConfig | None = None) -> int:
+        """Bind and serve (over TLS with `tls`); ListenError names listen.grpc_port when taken."""
         # grpc reports a failed bind only as port 0, after logging its own lines: check first.
         check_free(host, port, "grpc_port")
         options = [
@@ -188,7 +190,12 @@ class GrpcFront:
         ]
         self.server = grpc.aio.server(options=options)
         self.server.add_generic_rpc_handlers((self.handlers(),))
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if tls is None:
+            bound = self.server.add_insecure_port(f"{host}:{port}")
+        else:
+            key, cert = Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes()
+            credentials = grpc.ssl_server_credentials([(key, cert)])
+            bound = self.server.add_secure_port(f"{host}:{port}", credentials)
         if bound == 0:
             raise refused("grpc_port", host, port)
         await self.server.start()

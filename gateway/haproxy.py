@@ -71,6 +71,11 @@ class DataPlaneSpec:
     threads: int = 1
     max_connections_per_source: int = 0  # 0: any number
     keep_alive_timeout_s: float = 75.0
+    tls_pem: Path | None = None  # certificate and key in one file: TLS on the public gRPC port
+
+
+def _tls(pem: Path | None) -> str:
+    return "" if pem is None else f" ssl crt {pem} alpn h2"
 
 
 def _per_source(limit: int) -> str:
@@ -111,7 +116,7 @@ defaults
   timeout http-keep-alive 75s
 
 frontend grpc_in
-  bind fd@{spec.grpc_fd} proto h2
+  bind fd@{spec.grpc_fd}{_tls(spec.tls_pem)} proto h2
   maxconn {spec.max_connections}
   # Clients' idle connections (no open stream) close after limits.keep_alive_timeout_s; the
   # workers' own relay connections (grpc_out) keep the default.

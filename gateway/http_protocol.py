@@ -168,11 +168,15 @@ def per_worker_share(limit: int, workers: int) -> int:
     return -(-limit // max(workers, 1)) if limit else 0
 
 
-def uvicorn_config(app: Any, cfg: GatewayConfig) -> uvicorn.Config:
+def uvicorn_config(app: Any, cfg: GatewayConfig, public: bool = False) -> uvicorn.Config:
     """Every gateway listener's uvicorn settings (public HTTP, a worker's ops socket, the ops port of
-    a single process or of the supervisor): the header-read timer, the connection bound."""
+    a single process or of the supervisor): the header-read timer, the connection bound; and on
+    the `public` listener, listen.tls."""
+    tls = cfg.listen.tls if public else None
     return uvicorn.Config(
         app,
+        ssl_certfile=tls.cert_file if tls is not None else None,
+        ssl_keyfile=tls.key_file if tls is not None else None,
         loop="none",
         # httptools with a bound on receiving headers (uvicorn has none: slowloris).
         http=with_header_timeout(

@@ -79,7 +79,7 @@ async def serve(
         await gateway.stop()
         raise
     await gateway.start()
-    server = _Uvicorn(uvicorn_config(HttpFront(gateway), cfg))
+    server = _Uvicorn(uvicorn_config(HttpFront(gateway), cfg, public=True))
     ops_server = _Uvicorn(uvicorn_config(build_ops_app(gateway), cfg))
     loop = asyncio.get_running_loop()
     drain_task: asyncio.Task[None] | None = None

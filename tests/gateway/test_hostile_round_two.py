@@ -592,3 +592,101 @@ def test_one_source_cannot_fill_the_grpc_port_and_idle_connections_close(bounded
             s.close()
     assert sum(1 for n in heard if n > 0) == 8, heard
     assert victim.failed == []
+
+
+# -- 9: TLS on the public ports ----------------------------------------------------------------------------
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (and its key), as a cert-manager Issuer would hand one out."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "skewserve-gateway")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = directory / "tls.crt", directory / "tls.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    key_file.chmod(0o600)
+    return cert_file, key_file
+
+
+@pytest.mark.parametrize(("workers", "plane"), [(2, "haproxy"), (1, "grpcio")])
+def test_the_public_ports_speak_tls_and_keys_never_cross_in_clear(
+    one_triton, make_gateway, tmp_path: Path, workers: int, plane: str
+) -> None:
+    import http.client
+    import ssl
+
+    cert_file, key_file = _self_signed(tmp_path)
+    gw = make_gateway(
+        gateway_config(
+            one_triton,
+            listen={
+                "workers": workers,
+                "grpc_data_plane": plane,
+                "tls": {"cert_file": str(cert_file), "key_file": str(key_file)},
+            },
+            auth={"keys": [{"name": "victim", "sha256": hash_key(VICTIM_KEY)}]},
+            cache={"backend": "none"},
+        )
+    )
+    trusted = ssl.create_default_context(cafile=str(cert_file))
+    host, port = gw.http.rsplit(":", 1)
+    conn = http.client.HTTPSConnection(host, int(port), context=trusted, timeout=20)
+    conn.request("POST", "/v2/models/lt_nocache/infer", SMALL_BODY, {"authorization": _bearer(VICTIM_KEY)})
+    resp = conn.getresponse()
+    check_infer_answer(resp.read(), rows=1)
+    conn.close()
+    credentials = grpc.ssl_channel_credentials(root_certificates=cert_file.read_bytes())
+    req = pb.ModelInferRequest(model_name="lt_nocache")
+    req.inputs.add(name="features", datatype="FP32", shape=[1, 8])
+    req.raw_input_contents.append(ROW.tobytes())
+    with grpc.secure_channel(gw.grpc, credentials) as channel:
+        call = channel.unary_unary(
+            INFER,
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
+        assert call(req, timeout=20, metadata=(("authorization", _bearer(VICTIM_KEY)),)).outputs
+    # A client speaking plain text gets no answer it can read, on either port.
+    for address in (gw.http, gw.grpc):
+        s = _connect_from(address, "127.0.0.1")
+        s.sendall(b"POST /v2/models/lt_nocache/infer HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer x\r\n\r\n")
+        s.settimeout(10)
+        try:
+            answer = s.recv(65536)
+        except OSError:
+            answer = b""
+        s.close()
+        assert not answer.startswith(b"HTTP/1.1 2"), answer[:100]
+    with grpc.insecure_channel(gw.grpc) as channel:
+        call = channel.unary_unary(
+            INFER,
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError):
+            call(req, timeout=5, metadata=(("authorization", _bearer(VICTIM_KEY)),))
