@@ -22,6 +22,7 @@ SECRETS = {
     "SKEWSERVE_CACHE_HMAC_SECRET": secrets.token_hex(32),
     "SKEWSERVE_API_KEYS": '[{"name": "team-a", "sha256": "' + "a" * 64 + '"}]',
     "GRAFANA_ADMIN_PASSWORD": "grafana-admin-password",
+    "SKEWSERVE_REDIS_PASSWORD": secrets.token_hex(32),
 }
 
 
@@ -106,7 +107,11 @@ def test_gateway_gets_its_config_and_secrets_and_starts_after_its_dependencies(
     cfg = load_gateway_config(config_file)
     assert cfg.auth.keys[0].name == "team-a" and cfg.cache.backend == "redis"
     servers = {s.http.split(":")[0] for r in cfg.regions for s in r.servers}
-    assert servers == {"triton"} and cfg.cache.redis_url.startswith("redis://redis:")
+    password = SECRETS["SKEWSERVE_REDIS_PASSWORD"]
+    assert servers == {"triton"} and cfg.cache.redis_url == f"redis://:{password}@redis:6379/0"
+    redis = rendered["services"]["redis"]
+    assert redis["command"][-2:] == ["--requirepass", password]  # Redis asks for the same password
+    assert redis["environment"]["REDISCLI_AUTH"] == password  # and its health check sends it
     assert gw["depends_on"] == {
         "triton": {"condition": "service_healthy"},
         "redis": {"condition": "service_healthy"},

@@ -232,3 +232,57 @@ def test_readme_creates_every_secret_the_manifests_reference() -> None:
             assert f"--from-literal={key}=" in readme, key
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         assert f"--from-literal={key}=" in readme
+
+
+def test_redis_needs_a_password_and_only_gateways_reach_it_or_the_ops_port() -> None:
+    ids = _by_id(_base_resources())
+    redis = ids[("Deployment", "redis")]["spec"]["template"]["spec"]["containers"][0]
+    assert redis["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    redis_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis["env"]}
+    assert (
+        redis_env["REDIS_PASSWORD"]
+        == redis_env["REDISCLI_AUTH"]
+        == {"name": "skewserve-redis", "key": "password"}
+    )
+    gateway = ids[("Deployment", "skewserve-gateway")]["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in gateway["containers"][0]["env"]}
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "skewserve-redis",
+        "key": "password",
+    }
+    # $(VAR) expands only a variable defined earlier in the list.
+    names = [e["name"] for e in gateway["containers"][0]["env"]]
+    assert names.index("REDIS_PASSWORD") < names.index("SKEWSERVE_GATEWAY_CACHE__REDIS_URL")
+    assert env["SKEWSERVE_GATEWAY_CACHE__REDIS_URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@redis.")
+    policy = ids[("NetworkPolicy", "redis-from-gateways")]["spec"]
+    assert policy["podSelector"]["matchLabels"] == {"app": "redis"}
+    assert policy["ingress"] == [
+        {
+            "from": [{"podSelector": {"matchLabels": {"app": "skewserve-gateway"}}}],
+            "ports": [{"port": 6379, "protocol": "TCP"}],
+        }
+    ]
+    ingress = ids[("NetworkPolicy", "skewserve-gateway-ingress")]["spec"]["ingress"]
+    open_ports = {p["port"] for rule in ingress if "from" not in rule for p in rule["ports"]}
+    scraped = [rule for rule in ingress if "from" in rule]
+    assert open_ports == {8080, 8081}  # the public ports; the ops port only from scrapers
+    assert [p["port"] for rule in scraped for p in rule["ports"]] == [8082]
+    assert scraped[0]["from"][0]["podSelector"]["matchLabels"] == {"skewserve.io/scraper": "true"}
+
+
+def test_the_gateway_serves_tls_from_the_certificate_secret() -> None:
+    ids = _by_id(_base_resources())
+    spec = ids[("Deployment", "skewserve-gateway")]["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "tls")
+    volume = next(v for v in spec["volumes"] if v["name"] == "tls")
+    assert volume["secret"]["secretName"] == "skewserve-gateway-tls"
+    assert env["SKEWSERVE_GATEWAY_LISTEN__TLS__CERT_FILE"] == f"{mount['mountPath']}/tls.crt"
+    assert env["SKEWSERVE_GATEWAY_LISTEN__TLS__KEY_FILE"] == f"{mount['mountPath']}/tls.key"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["scheme"] == "HTTPS"
+    service = ids[("Service", "skewserve-gateway")]["spec"]
+    assert service["externalTrafficPolicy"] == "Local"  # per-source bounds see clients, not nodes
+    assert {p["name"] for p in service["ports"]} == {"http", "grpc"}  # never the ops port
+    assert "create secret tls skewserve-gateway-tls" in (ROOT / "README.md").read_text()
