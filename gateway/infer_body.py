@@ -519,7 +519,7 @@ _loads_small = json.JSONDecoder(object_pairs_hook=_refuse_duplicates, parse_cons
 _SURROGATE_ESCAPE = re.compile(
     r"(?<!\\)(?:\\\\)*\\u([dD][89a-fA-F][0-9a-fA-F]{2})(?:\\u([dD][89a-fA-F][0-9a-fA-F]{2}))?"
 )
-# A cheap over-estimate of numbers that may not fit a double: an exponent of 3+ digits, or 309+ digits.
+# A cheap over-estimate of fractions that may not fit a double: an exponent of 3+ digits, or 309+ digits.
 _MAY_OVERFLOW = re.compile(r"[eE][+]?0*[1-9][0-9]{2}|[0-9]{309}")
 
 
@@ -534,9 +534,9 @@ def _finite(text: str) -> float:
     return value
 
 
-_numbers_only = json.JSONDecoder(
-    parse_float=_finite, parse_int=_finite, parse_constant=_refuse_constant
-).decode
+# Integers are left to the field checks (a `timeout` above 2^64-1 is refused by name) and, in
+# tensor data, to Triton, whose parse error comes back as the client's 400 (gateway/http_front.py).
+_numbers_only = json.JSONDecoder(parse_float=_finite, parse_constant=_refuse_constant).decode
 
 
 def check_triton_json(text: str) -> None:

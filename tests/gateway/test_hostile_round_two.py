@@ -467,6 +467,8 @@ def _direct(address: str, body: bytes) -> int:
         # Large plain JSON for an uncached model is forwarded unread: Triton's own parse error,
         # answered as the client's (400), not the server's.
         ('"parameters":{"p":1e999,"pad":"' + "p" * 300_000 + '"},', "failed to parse the request JSON"),
+        # An integer beyond a double: left to Triton, whose parse error is the client's 400 too.
+        ('"parameters":{"p":' + "9" * 400 + "},", "failed to parse the request JSON"),
     ],
 )
 def test_json_triton_refuses_is_a_400_and_ejects_nothing(
