@@ -432,6 +432,8 @@ class Gateway:
                 "write_queue": self.cache.queued() if isinstance(self.cache, RedisCache) else 0,
             },
             "coalescing": len(self.coalescer),
+            # Request bytes held (received, inflated, being handled) and by how many callers.
+            "request_bytes": {"held": self.bodies.held, "callers": self.bodies.callers()},
             "servers": [s.describe(now) for s in self.servers],
             "servers_draining": self.leaving(),
             "config_reloads": dict(self.reloads),
