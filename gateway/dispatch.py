@@ -28,7 +28,7 @@ from typing import Generic, TypeVar
 
 from gateway.config import GatewayConfig
 from gateway.errors import (
-    BadRequest,
+    InvalidVersion,
     NoReadyServer,
     RetryableUpstream,
     UpstreamRejected,
@@ -46,12 +46,18 @@ Attempt = Callable[[UpstreamServer, float], Awaitable[T]]
 SequenceId = int | str | None
 
 
-def check_version(version: str) -> None:
-    """Triton model versions are non-negative integers; anything else can match no server."""
-    if version and not (version.isascii() and version.isdigit() and (version == "0" or version[0] != "0")):
-        raise BadRequest(
-            f"model version must be a whole number without leading zeros (e.g. 1), got {version!r}"
+def check_version(version: str) -> str:
+    """The version as routing names it ('' = the latest): Triton reads "01" as version 1, and a
+    version that is not a whole number matches none of its routes."""
+    if not version:
+        return ""
+    stripped = version.lstrip("0") or "0"
+    if not (version.isascii() and version.isdigit()) or len(stripped) > 19 or int(stripped) >= 2**63:
+        raise InvalidVersion(
+            f"model version {version[:40]!r} is not a version: send a whole number (e.g. 1), or none "
+            "for the latest"
         )
+    return stripped
 
 
 class RetryBudget:
@@ -170,7 +176,7 @@ class Dispatcher:
         sequence_id: SequenceId = None,
     ) -> Outcome[T]:
         """Run `attempt` on chosen servers until one answers, the budget or deadline runs out."""
-        check_version(version)
+        version = check_version(version)
         self.budget.deposit()
         sticky = None if sequence_id in (None, 0, "") else str(sequence_id)
         max_attempts = 1 if sticky is not None else self.cfg.retries.max_attempts

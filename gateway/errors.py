@@ -43,6 +43,14 @@ class NotFound(ClientError):
     grpc_code = grpc.StatusCode.NOT_FOUND
 
 
+class InvalidVersion(ClientError):
+    """A model version that is not a whole number: Triton's HTTP routes match none (404); its
+    gRPC methods refuse it as an invalid argument."""
+
+    http_status = 404
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
 class Unauthenticated(ClientError):
     http_status = 401
     grpc_code = grpc.StatusCode.UNAUTHENTICATED

@@ -27,6 +27,7 @@ from gateway.auth import Principal
 from gateway.cache import cache_key_async
 from gateway.cache_alias import ExactAliases
 from gateway.core import Gateway
+from gateway.dispatch import check_version
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -39,6 +40,7 @@ from gateway.errors import (
 from gateway.infer_body import (
     OFF_LOOP_BYTES,
     InferBody,
+    inflate_async,
     inflate_cap,
     parse_header_length,
     parse_infer_body_async,
@@ -214,6 +216,7 @@ class HttpFront:
         caller = ""
         held = [0]  # bytes of this request counted in gw.bodies, given back when it ends
         try:
+            version = check_version(version)  # "01" is 1, as Triton reads it; "x" no route (404)
             if request_ids > 1:
                 raise BadRequest(f"send one x-request-id header, got {request_ids}")
             if sent_id is not None:
@@ -253,7 +256,7 @@ class HttpFront:
                     gw.router.check_pin(pinned)  # a bad pin is a 400 whether or not the answer is cached
                 # Once per request: the alias and the key must name the same version.
                 resolved = version or gw.router.latest_version(model)
-            if resolved is not None and encoding is None and len(body) < OFF_LOOP_BYTES:
+            if resolved is not None and encoding is None and hl != 0 and len(body) < OFF_LOOP_BYTES:
                 alias = self._alias_digest(scope, model, resolved, hl, body, gw.cache_tenant(principal))
                 hit = await self._alias_hit(model, alias)
                 if hit is not None:
@@ -261,8 +264,16 @@ class HttpFront:
                     status = hit.status
                     await self._respond(send, hit, extra)
                     return
-            request = await self._parse(model, body, hl, encoding)
-            if request is None:  # large plain JSON nobody needs read: forwarded untouched
+            if hl == 0:
+                # Triton's raw binary request: no JSON header, the whole body is the model's one
+                # input. Nothing to read or key: forwarded (inflated) as is, never cached.
+                request = None
+                if encoding is not None:
+                    body = await inflate_async(body, encoding, self.max_bytes, self.inflate_ratio)
+                forward.append((b"inference-header-content-length", b"0"))
+            else:
+                request = await self._parse(model, body, hl, encoding)
+            if request is None:  # raw binary, or large plain JSON nobody needs read: forwarded untouched
                 timeout_us = None
             else:
                 body = request.body
@@ -285,8 +296,7 @@ class HttpFront:
             cache_state = None
             # A sequence's answers depend on its server-side state: never cached, never moved.
             sequence_id = request.sequence_id if request is not None and request.sticky else None
-            if gw.cache_enabled(model) and sequence_id is None:
-                assert request is not None  # the cache always parses
+            if gw.cache_enabled(model) and sequence_id is None and request is not None:
                 # One stored entry must serve every client: ask Triton for the identity encoding
                 # (HTTP lets a server ignore Accept-Encoding), so entries are never gzip bytes.
                 forward = [(k, v) for k, v in forward if k != b"accept-encoding"]

@@ -667,6 +667,13 @@ def parse_infer_body(
     return InferBody(body, header_length, text, header, walker)
 
 
+async def inflate_async(body: bytes, encoding: str, limit: int, ratio: float = MAX_INFLATE_RATIO) -> bytes:
+    """`inflate`, in a worker thread when more than a few KiB could come out of it."""
+    if inflate_cap(len(body), limit, ratio) <= OFF_LOOP_BYTES:
+        return inflate(body, encoding, limit, ratio)
+    return await asyncio.to_thread(inflate, body, encoding, limit, ratio)
+
+
 async def parse_infer_body_async(
     body: bytes,
     header_length: int | None,

@@ -29,7 +29,7 @@ from tritonclient.utils import InferenceServerException
 from gateway.balancer import RoundRobinBalancer
 from gateway.config import ConfigError, GatewayConfig, HealthConfig, ServerConfig, load_gateway_config
 from gateway.dispatch import check_version
-from gateway.errors import BadRequest
+from gateway.errors import InvalidVersion
 from gateway.health import OutlierDetector
 from gateway.router import Region, RegionRouter, rendezvous
 from gateway.upstream import UpstreamServer
@@ -279,17 +279,22 @@ def test_panic_threshold_routes_to_ejected_servers_rather_than_none(
 # -- item 13: unknown regions and malformed versions are the client's error ---------------------
 
 
-def test_unknown_region_and_malformed_versions_are_400_naming_the_value(hostile_fleet, make_gateway) -> None:
+def test_unknown_region_and_malformed_versions_are_refused_naming_the_value(
+    hostile_fleet, make_gateway
+) -> None:
+    """A version that is not a whole number matches no Triton HTTP route (404, as Triton answers)
+    and is INVALID_ARGUMENT on gRPC; "01" is version 1, as Triton reads it (issue 24)."""
     gw = make_gateway(gateway_config(hostile_fleet))
     status, body = post(gw.http, "lt_nocache", LT_BODY, **{"x-skewserve-region": "mars"})
     assert (status, body) == (400, {"error": "pinned region 'mars' does not exist; regions are ['us-east']"})
-    for version in ("01", "x", "-1"):
-        message = f"model version must be a whole number without leading zeros (e.g. 1), got {version!r}"
-        assert post(gw.http, "lt_nocache", LT_BODY, path=f"/versions/{version}") == (400, {"error": message})
-        assert get(f"http://{gw.http}/v2/models/lt_nocache/versions/{version}") == (400, {"error": message})
+    for version in ("x", "-1", "1.0"):
+        message = f"model version {version!r} is not a version: send a whole number (e.g. 1), or none for the latest"
+        assert post(gw.http, "lt_nocache", LT_BODY, path=f"/versions/{version}") == (404, {"error": message})
+        assert get(f"http://{gw.http}/v2/models/lt_nocache/versions/{version}") == (404, {"error": message})
         with pytest.raises(grpc.RpcError) as info:
             raw_infer(gw.grpc, "lt_nocache", version=version)
         assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+    assert post(gw.http, "lt_nocache", LT_BODY, path="/versions/01")[0] == 200
     client = grpcclient.InferenceServerClient(gw.grpc)
     with pytest.raises(InferenceServerException) as g_info:
         client.get_model_metadata("lt_nocache", "x")
@@ -481,10 +486,10 @@ def test_a_sequence_request_is_never_retried_on_another_server(hostile_fleet, ma
 
 
 def test_versions_must_be_whole_numbers_and_attempt_bounds_fit_the_default_deadline() -> None:
-    for good in ("", "0", "1", "12"):
-        check_version(good)
-    for bad in ("01", "x", "-1", "1.0", " 1", "１"):
-        with pytest.raises(BadRequest, match=f"got {bad!r}"):
+    for sent, routed in (("", ""), ("0", "0"), ("1", "1"), ("12", "12"), ("01", "1"), ("000", "0")):
+        assert check_version(sent) == routed
+    for bad in ("x", "-1", "1.0", " 1", "１", "9" * 19, "1" + "0" * 4400):
+        with pytest.raises(InvalidVersion, match="is not a version"):
             check_version(bad)
     with pytest.raises(
         ConfigError, match=r"retries.attempt_timeout_s \(40.0\) exceeds retries.default_timeout_s"

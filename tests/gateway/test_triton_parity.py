@@ -1,0 +1,85 @@
+"""Issue 24, protocol parity: the same request sent directly to a real Triton and through the
+gateway gets the same answer (status and body), so a Triton client works with only its URL changed."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from skewserve.triton_dist import PreparedTriton
+from skewserve.triton_process import TritonServer
+from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway, start_fleet, stop_fleet
+
+pytestmark = pytest.mark.slow
+ROW = np.linspace(-1, 1, 8, dtype=np.float32).reshape(1, 8)
+
+
+@pytest.fixture(scope="module")
+def one_triton(
+    gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton
+) -> Iterator[dict[str, list[TritonServer]]]:
+    f = start_fleet(gateway_repo, {"us-east": 1}, tmp_path_factory.mktemp("parity_logs"), prepared_triton)
+    yield f
+    stop_fleet(f)
+
+
+@pytest.fixture(scope="module")
+def gw(one_triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayUnderTest]:
+    g = launch_gateway(gateway_config(one_triton), tmp_path_factory.mktemp("parity_gw"))
+    yield g
+    g.stop()
+
+
+def _send(
+    address: str, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(address, timeout=30)
+    try:
+        conn.request(method, path, body if method == "POST" else None, headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def _both(
+    one_triton,
+    gw: GatewayUnderTest,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+) -> tuple[tuple[int, bytes], tuple[int, bytes]]:
+    triton = one_triton["us-east"][0]
+    return _send(triton.http_address, method, path, body, headers), _send(
+        gw.http, method, path, body, headers
+    )
+
+
+@pytest.mark.parametrize("model", ["lt", "lt_nocache"])  # cached and uncached
+def test_a_raw_binary_body_without_a_json_header_is_served_as_triton_serves_it(
+    one_triton, gw, model: str
+) -> None:
+    """`Inference-Header-Content-Length: 0`: the whole body is the one input's tensor (Triton's
+    raw binary request); the answer is Triton's, byte for byte."""
+    headers = {"inference-header-content-length": "0", "content-type": "application/octet-stream"}
+    direct, via = _both(one_triton, gw, "POST", f"/v2/models/{model}/infer", ROW.tobytes(), headers)
+    assert via == direct, (direct[0], direct[1][:200], via[0], via[1][:200])
+
+
+@pytest.mark.parametrize("version", ["x", "-1", "01", "1.0"])
+def test_an_invalid_version_string_gets_tritons_status(one_triton, gw, version: str) -> None:
+    body = json.dumps(
+        {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 8], "data": ROW.ravel().tolist()}]}
+    ).encode()
+    direct, via = _both(one_triton, gw, "POST", f"/v2/models/lt_nocache/versions/{version}/infer", body)
+    assert via[0] == direct[0], (direct, via)  # "01" is version 1 (200); the others match no route (404)
+    if direct[0] == 200:
+        assert json.loads(via[1])["outputs"] == json.loads(direct[1])["outputs"]
+    else:
+        assert "is not a version" in json.loads(via[1])["error"]  # ours names the value
