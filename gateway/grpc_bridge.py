@@ -254,10 +254,19 @@ class BridgeProtocol(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
-        gate = self.server.gate
-        if gate is None or self.refused:
+        if self.refused:
             return
         call = self.call
+        if call.path not in self.server.handlers:
+            # At once, by name: a streaming client (ModelStreamInfer) would otherwise wait with its
+            # stream open until the body timer ran out.
+            self._refuse(
+                grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {call.path.decode('latin-1')[:200]}"
+            )
+            return
+        gate = self.server.gate
+        if gate is None:
+            return
         # The key and the rate limit are settled from the headers, before a byte of the message is
         # held or inflated: a caller refused here costs a hash and a token, never a slot or memory.
         try:

@@ -83,3 +83,39 @@ def test_an_invalid_version_string_gets_tritons_status(one_triton, gw, version: 
         assert json.loads(via[1])["outputs"] == json.loads(direct[1])["outputs"]
     else:
         assert "is not a version" in json.loads(via[1])["error"]  # ours names the value
+
+
+def test_a_method_the_gateway_does_not_serve_is_refused_at_once_by_name(gw) -> None:
+    """ModelStreamInfer held open, as tritonclient's start_stream holds it: UNIMPLEMENTED naming
+    the method while the client's stream is still open, not a wait for the body timer."""
+    import asyncio
+
+    import grpc.aio
+    from tritonclient.grpc import service_pb2 as pb
+
+    async def main() -> tuple[grpc.StatusCode, str]:
+        release = asyncio.Event()
+        req = pb.ModelInferRequest(model_name="lt_nocache")
+
+        async def requests() -> object:
+            yield req.SerializeToString()
+            await release.wait()  # the stream stays open
+
+        async with grpc.aio.insecure_channel(gw.grpc) as channel:
+            call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")(
+                requests(), timeout=120
+            )
+            try:
+                async for _ in call:
+                    pass
+                raise AssertionError("the stream was served")
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), exc.details() or ""
+            finally:
+                release.set()
+
+    code, details = asyncio.run(asyncio.wait_for(main(), 60))
+    assert (code, details) == (
+        grpc.StatusCode.UNIMPLEMENTED,
+        "Method not found: /inference.GRPCInferenceService/ModelStreamInfer",
+    )
