@@ -260,9 +260,22 @@ class RetryConfig(_Strict):
         default=10.0,
         gt=0,
         description="bound on one attempt within the request's deadline: a hung server is retried on "
-        "another one after this; only this bound expiring counts as the server's fault",
+        "another one after this; only this bound expiring counts as the server's fault. The last "
+        "attempt of a request that may retry runs to the deadline (no retry would follow)",
     )
     timeout_header: str = "x-skewserve-timeout-ms"
+    max_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="the longest deadline a client may ask for (timeout header, the `timeout` request "
+        "parameter, a gRPC deadline); a client's own deadline is otherwise kept whole, even above "
+        "default_timeout_s, and a request's last attempt runs to it",
+    )
+    model_timeout_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="per model known to be slow: its deadline when the client sets none (instead of "
+        "default_timeout_s), with attempts running to it",
+    )
 
     @model_validator(mode="after")
     def _attempt_within_default(self) -> RetryConfig:
@@ -271,6 +284,15 @@ class RetryConfig(_Strict):
                 f"retries.attempt_timeout_s ({self.attempt_timeout_s}) exceeds retries.default_timeout_s "
                 f"({self.default_timeout_s}): it would never bound an attempt, so a hung server would "
                 "never be retried; set attempt_timeout_s at most default_timeout_s"
+            )
+        longest = max([self.default_timeout_s, *self.model_timeout_s.values()])
+        bad = {m: t for m, t in self.model_timeout_s.items() if not 0 < t}
+        if bad:
+            raise ValueError(f"retries.model_timeout_s must be positive seconds, got {bad}")
+        if longest > self.max_timeout_s:
+            raise ValueError(
+                f"retries.max_timeout_s ({self.max_timeout_s}) is below a configured deadline ({longest} s): "
+                "raise max_timeout_s or lower default_timeout_s / model_timeout_s"
             )
         return self
 

@@ -20,8 +20,8 @@ from gateway.cache import MemoryCache, RedisCache, ResponseCache
 from gateway.coalesce import Coalescer
 from gateway.config import GatewayConfig, ServerConfig
 from gateway.discovery import Discovery
-from gateway.dispatch import Attempt, Dispatcher, Outcome, SequenceId
-from gateway.errors import NoReadyServer, Overloaded
+from gateway.dispatch import WHOLE_DEADLINE, Attempt, Dispatcher, Outcome, SequenceId
+from gateway.errors import BadRequest, NoReadyServer, Overloaded
 from gateway.health import HealthChecker, OutlierDetector
 from gateway.limits import RateLimiter, client_key
 from gateway.metrics import OTHER_MODEL, GatewayMetrics
@@ -294,28 +294,45 @@ class Gateway:
             return model
         return OTHER_MODEL
 
-    def deadline(self, timeout_ms: str | None, timeout_us: object = None) -> float:
-        """The request's deadline: the tightest of the default, the header, and the KServe/Triton
-        `timeout` request parameter (microseconds); the gRPC front also applies the call deadline."""
-        timeout = self.cfg.retries.default_timeout_s
+    def deadline(
+        self,
+        timeout_ms: str | None,
+        timeout_us: object = None,
+        model: str = "",
+        call_remaining: float | None = None,
+    ) -> float:
+        """The request's deadline. The client's own (the tightest of the timeout header, the
+        KServe/Triton `timeout` parameter in microseconds, and a gRPC call's deadline) is kept whole
+        up to retries.max_timeout_s, even above the default; without one, the model's
+        retries.model_timeout_s (attempts then run to it) or retries.default_timeout_s applies."""
+        retries = self.cfg.retries
+        asked: float | None = None
         if timeout_us is not None:
             if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or timeout_us < 0:
-                from gateway.errors import BadRequest
-
                 raise BadRequest(
                     f"the 'timeout' parameter must be a non-negative integer of microseconds, got {timeout_us!r}"
                 )
             if timeout_us > 0:  # Triton reads 0 as "no timeout"
-                timeout = min(timeout, timeout_us / 1e6)
+                asked = timeout_us / 1e6
         if timeout_ms:
             try:
-                timeout = min(timeout, max(0.0, float(timeout_ms) / 1000))
+                from_header = max(0.0, float(timeout_ms) / 1000)
             except ValueError:
-                from gateway.errors import BadRequest
-
                 raise BadRequest(
-                    f"{self.cfg.retries.timeout_header} must be a number of milliseconds, got {timeout_ms!r}"
+                    f"{retries.timeout_header} must be a number of milliseconds, got {timeout_ms!r}"
                 ) from None
+            asked = from_header if asked is None else min(asked, from_header)
+        if call_remaining is not None:
+            asked = call_remaining if asked is None else min(asked, call_remaining)
+        if asked is not None:
+            timeout = min(asked, retries.max_timeout_s)
+            WHOLE_DEADLINE.set(False)
+        elif model in retries.model_timeout_s:
+            timeout = retries.model_timeout_s[model]
+            WHOLE_DEADLINE.set(True)
+        else:
+            timeout = retries.default_timeout_s
+            WHOLE_DEADLINE.set(False)
         return self.clock() + timeout
 
     # -- sending ---------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ and are never retried elsewhere or hedged: another server does not hold the sequ
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Generic, TypeVar
@@ -44,6 +45,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Attempt = Callable[[UpstreamServer, float], Awaitable[T]]
 SequenceId = int | str | None
+
+
+# Whether this request's deadline is its model's configured one (retries.model_timeout_s, a model
+# known to be slow): then every attempt runs to it. Set by Gateway.deadline per request.
+WHOLE_DEADLINE: contextvars.ContextVar[bool] = contextvars.ContextVar("whole_deadline", default=False)
 
 
 def check_version(version: str) -> str:
@@ -122,14 +128,19 @@ class Dispatcher:
         self.budget = RetryBudget(cfg.retries.budget_ratio, cfg.retries.min_retries_per_s, clock)
         self.hedged_models = set(cfg.hedging.models)
 
-    async def _timed(self, route: Route, attempt: Attempt[T], deadline: float, model: str) -> T:
+    async def _timed(
+        self, route: Route, attempt: Attempt[T], deadline: float, model: str, final: bool = False
+    ) -> T:
+        """One attempt. It is cut at retries.attempt_timeout_s so that a hung server is retried
+        elsewhere, unless it is the `final` attempt of a request that could retry (no retry would
+        follow: the client's deadline is kept whole) or its model has its own deadline."""
         server = route.server
         started = self.clock()
         remaining = deadline - started
         own = self.cfg.retries.attempt_timeout_s
         # Only the gateway's own bound expiring says anything about the server; when the request's
         # deadline (the client's, or the default) is the tighter bound, a timeout is the client's.
-        own_bound = own < remaining
+        own_bound = own < remaining and not final and not WHOLE_DEADLINE.get()
         server.inflight += 1
         server.requests += 1
         try:
@@ -201,10 +212,22 @@ class Dispatcher:
             if route.spilled and n == 1:
                 self.metrics.spillover(self.router.home, route.region)
             try:
+                # The last try of a request that may retry runs to its deadline: the attempts are
+                # spent, or no other server could take one. (A sequence, never moved, keeps the
+                # bound: a hung server fails its sequences fast and is ejected.)
+                final = max_attempts > 1 and (
+                    n == max_attempts
+                    or (
+                        not route_any
+                        and not self.router.has_alternative(model, version, pinned, [*tried, route.server])
+                    )
+                )
                 if model in self.hedged_models and not route_any and sticky is None:
-                    value, route = await self._hedged(route, attempt, deadline, model, version, pinned, tried)
+                    value, route = await self._hedged(
+                        route, attempt, deadline, model, version, pinned, tried, final
+                    )
                 else:
-                    value = await self._timed(route, attempt, deadline, model)
+                    value = await self._timed(route, attempt, deadline, model, final)
                 return Outcome(value, route, n)
             except RetryableUpstream as exc:
                 last = exc
@@ -232,6 +255,7 @@ class Dispatcher:
         version: str,
         pinned: str | None,
         tried: list[UpstreamServer],
+        final: bool = False,
     ) -> tuple[T, Route]:
         """Send a second copy to another server if the first has not answered in the expected p95.
 
@@ -243,7 +267,9 @@ class Dispatcher:
         returns or is cancelled (the client gave up), no copy is left running.
         """
         delay = hedge_delay(self.router.servers(), self.cfg.hedging.min_delay_ms / 1000)
-        primary: asyncio.Future[T] = asyncio.ensure_future(self._timed(first, attempt, deadline, model))
+        primary: asyncio.Future[T] = asyncio.ensure_future(
+            self._timed(first, attempt, deadline, model, final)
+        )
         pending: set[asyncio.Future[T]] = {primary}
         try:
             done, _ = await asyncio.wait({primary}, timeout=min(delay, deadline - self.clock()))
@@ -257,7 +283,9 @@ class Dispatcher:
                 self.metrics.retry_budget_exhausted()
                 return await primary, first
             self.metrics.hedge(model)
-            backup: asyncio.Future[T] = asyncio.ensure_future(self._timed(second, attempt, deadline, model))
+            backup: asyncio.Future[T] = asyncio.ensure_future(
+                self._timed(second, attempt, deadline, model, final)
+            )
             routes = {primary: first, backup: second}
             pending = {primary, backup}
             error: BaseException | None = None

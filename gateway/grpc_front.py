@@ -211,13 +211,13 @@ class GrpcFront:
         return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
     def _deadline(
-        self, context: grpc.aio.ServicerContext, md: dict[str, str], timeout_us: int | None = None
+        self,
+        context: grpc.aio.ServicerContext,
+        md: dict[str, str],
+        timeout_us: int | None = None,
+        model: str = "",
     ) -> float:
-        deadline = self.gw.deadline(md.get(self.timeout_key), timeout_us)
-        remaining = context.time_remaining()
-        if remaining is not None:
-            deadline = min(deadline, self.gw.clock() + remaining)
-        return deadline
+        return self.gw.deadline(md.get(self.timeout_key), timeout_us, model, context.time_remaining())
 
     @staticmethod
     async def _decode(cls: type[M], request: bytes) -> M:
@@ -409,7 +409,7 @@ class GrpcFront:
                         )
             timeout_us = _timeout_us(req)
             sequence_id = _sequence_id(req)
-            deadline = self._deadline(context, md, timeout_us)
+            deadline = self._deadline(context, md, timeout_us, model)
             metadata = (("x-request-id", request_id),)
 
             async def attempt(server: UpstreamServer, timeout_s: float) -> bytes:

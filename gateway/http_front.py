@@ -280,7 +280,7 @@ class HttpFront:
                 timeout_us = request.timeout_us
                 if self.max_batch:
                     self._check_batch(request)
-            deadline = gw.deadline(timeout_ms, timeout_us)
+            deadline = gw.deadline(timeout_ms, timeout_us, model)
             path = scope["raw_path"] + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
 
             async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:

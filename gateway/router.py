@@ -157,6 +157,19 @@ class RegionRouter:
         what = f"{model!r} version {version}" if version else repr(model)
         raise NoReadyServer(f"no server in {where} has model {what} ready")
 
+    def has_alternative(
+        self, model: str, version: str, pinned: str | None, exclude: Collection[UpstreamServer]
+    ) -> bool:
+        """Whether a retry could go anywhere: a server outside `exclude` available with the model
+        (in the pinned region, or any). Reads state only."""
+        now = self.clock()
+        regions = [self.check_pin(pinned)] if pinned is not None else self.region_order()
+        return any(
+            s not in exclude and s.available(now) and s.has_model(model, version)
+            for region in regions
+            for s in region.servers
+        )
+
     def _route(self, region: Region, server: UpstreamServer, pinned: str | None) -> Route:
         return Route(server, region.name, region.name != self.home and pinned is None)
 

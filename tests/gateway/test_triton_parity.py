@@ -119,3 +119,51 @@ def test_a_method_the_gateway_does_not_serve_is_refused_at_once_by_name(gw) -> N
         grpc.StatusCode.UNIMPLEMENTED,
         "Method not found: /inference.GRPCInferenceService/ModelStreamInfer",
     )
+
+
+# -- item 5: a client's own deadline is kept whole; slow models get their own ------------------------------
+SLOW_S = 1.5  # the `slow` model's sleep: above the gateway's default deadline below
+
+
+@pytest.fixture(scope="module")
+def slow_triton(
+    gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton
+) -> Iterator[dict[str, list[TritonServer]]]:
+    from tests.gateway.test_hostile_health import hostile_repo
+
+    repo = hostile_repo(gateway_repo, tmp_path_factory.mktemp("slow_repo"), slow_s=SLOW_S)
+    f = start_fleet(repo, {"us-east": 1}, tmp_path_factory.mktemp("slow_logs"), prepared_triton)
+    yield f
+    stop_fleet(f)
+
+
+def _slow_infer(
+    address: str, headers: dict[str, str] | None = None, parameters: dict[str, object] | None = None
+) -> int:
+    body: dict[str, object] = {
+        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": [1.0] * 4}]
+    }
+    if parameters:
+        body["parameters"] = parameters
+    return _send(address, "POST", "/v2/models/slow/infer", json.dumps(body).encode(), headers)[0]
+
+
+def test_a_clients_own_deadline_is_kept_whole_and_slow_models_get_their_own(
+    slow_triton, make_gateway
+) -> None:
+    """Default deadline 1 s, attempts cut at 0.5 s, a model that takes 1.5 s: directly it answers;
+    through the gateway it answers whenever the client (or the model's configured deadline) allows
+    that long, and times out only when nobody does."""
+    triton = slow_triton["us-east"][0]
+    assert _slow_infer(triton.http_address) == 200
+    retries = {"default_timeout_s": 1.0, "attempt_timeout_s": 0.5, "max_attempts": 2}
+    gw = make_gateway(gateway_config(slow_triton, cache={"backend": "none"}, retries=retries))
+    assert _slow_infer(gw.http) == 504  # nobody allowed 1.5 s
+    assert _slow_infer(gw.http, {"x-skewserve-timeout-ms": "20000"}) == 200  # the header's 20 s
+    assert _slow_infer(gw.http, parameters={"timeout": 20_000_000}) == 200  # Triton's parameter, µs
+    per_model = make_gateway(
+        gateway_config(
+            slow_triton, cache={"backend": "none"}, retries={**retries, "model_timeout_s": {"slow": 20.0}}
+        )
+    )
+    assert _slow_infer(per_model.http) == 200
