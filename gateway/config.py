@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -222,6 +223,24 @@ class RoutingConfig(_Strict):
         default=64, ge=1, description="above this a region counts as saturated"
     )
     region_header: str = "x-skewserve-region"
+    header_forward_pattern: str | None = Field(
+        default=None,
+        description="request headers (HTTP) and metadata (gRPC) whose names match this regular "
+        "expression (searched, case-insensitive, as Triton's --http-header-forward-pattern and "
+        "--grpc-header-forward-pattern do) reach Triton; start Triton with the same pattern so the model "
+        "sees them. Keys and the gateway's own headers are never forwarded; a request carrying one is "
+        "not cached",
+    )
+
+    @field_validator("header_forward_pattern")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a regular expression ({exc}): {value!r}") from None
+        return value
 
 
 class HealthConfig(_Strict):

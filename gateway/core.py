@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -80,6 +81,20 @@ class Gateway:
         self.health = HealthChecker(self.servers, cfg.health, cfg.upstream_protocol, self.detector, clock)
         self.dispatcher = Dispatcher(cfg, self.router, self.detector, self.metrics, clock)
         self.auth = Authenticator(cfg.auth, clock)
+        pattern = cfg.routing.header_forward_pattern
+        self._forward_pattern = re.compile(pattern, re.IGNORECASE) if pattern else None
+        self._never_forwarded = frozenset(
+            {
+                "authorization",
+                "x-api-key",
+                "host",
+                "content-length",
+                "transfer-encoding",
+                "connection",
+                cfg.routing.region_header.lower(),
+                cfg.retries.timeout_header.lower(),
+            }
+        )
         # Request bytes held by both fronts together: one bound for the worker, one per caller.
         self.bodies = BodyBudget(cfg.limits.max_buffered_body_bytes, cfg.limits.per_caller_body_bytes)
         self.discovery = Discovery(self)  # regions with `discover`: servers from DNS or Kubernetes
@@ -369,6 +384,15 @@ class Gateway:
             except NoReadyServer:
                 pass
         return await self.dispatcher.send(model, version, None, deadline, attempt, route_any=True)
+
+    def forwarded(self, name: str) -> bool:
+        """Whether a client header / metadata key reaches Triton (routing.header_forward_pattern);
+        keys and the gateway's own headers never do."""
+        return (
+            self._forward_pattern is not None
+            and name not in self._never_forwarded
+            and self._forward_pattern.search(name) is not None
+        )
 
     def cache_tenant(self, principal: Principal | None) -> str:
         """The cache namespace of a caller: its key's name with cache.tenancy per_key, else shared."""

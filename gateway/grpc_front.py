@@ -344,7 +344,8 @@ class GrpcFront:
                 gw.clock(),
                 md.get(SERVER_HEADER),
             )
-            metadata = (("x-request-id", request_id),)
+            passed_on = tuple((k, v) for k, v in md.items() if gw.forwarded(k))
+            metadata = (("x-request-id", request_id), *passed_on)
 
             async def fetch(server: UpstreamServer) -> dict[str, Any]:
                 raw = await server.grpc_call(
@@ -410,13 +411,15 @@ class GrpcFront:
             timeout_us = _timeout_us(req)
             sequence_id = _sequence_id(req)
             deadline = self._deadline(context, md, timeout_us, model)
-            metadata = (("x-request-id", request_id),)
+            passed_on = tuple((k, v) for k, v in md.items() if gw.forwarded(k))
+            metadata = (("x-request-id", request_id), *passed_on)
 
             async def attempt(server: UpstreamServer, timeout_s: float) -> bytes:
                 return await server.grpc_call("ModelInfer", request, timeout_s, metadata)
 
             trailing = [("x-request-id", request_id)]
-            if gw.cache_enabled(model) and sequence_id is None:  # a sequence's answers depend on its state
+            # A sequence's answers depend on its state, forwarded metadata's on what it says.
+            if gw.cache_enabled(model) and sequence_id is None and not passed_on:
                 raw, route, state = await self._cached(
                     request,
                     req,

@@ -180,6 +180,7 @@ class HttpFront:
         content_length = header_length = encoding = None
         authorization = api_key = request_id = pinned = timeout_ms = None
         forward: list[tuple[bytes, bytes]] = []
+        passed_on = False  # a header routing.header_forward_pattern sends on: the answer may depend on it
         request_ids = 0
         for k, v in scope["headers"]:
             if k in _FORWARD:
@@ -206,6 +207,9 @@ class HttpFront:
                 pinned = v.decode("latin-1")
             elif k == self.timeout_header:
                 timeout_ms = v.decode("latin-1")
+            elif gw.forwarded(k.decode("latin-1")):
+                forward.append((k, v))  # checked with the others below
+                passed_on = True
         sent_id = request_id
         if request_id is None or request_ids != 1 or not is_valid_request_id(request_id):
             request_id = new_request_id()  # never echo an id that failed the check
@@ -251,7 +255,7 @@ class HttpFront:
                 gw.bodies.reserve(caller, max(grow, 0))
                 held[0] += max(grow, 0)
             alias = resolved = None
-            if gw.cache_enabled(model):
+            if gw.cache_enabled(model) and not passed_on:
                 if pinned is not None:
                     gw.router.check_pin(pinned)  # a bad pin is a 400 whether or not the answer is cached
                 # Once per request: the alias and the key must name the same version.
@@ -296,7 +300,7 @@ class HttpFront:
             cache_state = None
             # A sequence's answers depend on its server-side state: never cached, never moved.
             sequence_id = request.sequence_id if request is not None and request.sticky else None
-            if gw.cache_enabled(model) and sequence_id is None and request is not None:
+            if gw.cache_enabled(model) and sequence_id is None and request is not None and not passed_on:
                 # One stored entry must serve every client: ask Triton for the identity encoding
                 # (HTTP lets a server ignore Accept-Encoding), so entries are never gzip bytes.
                 forward = [(k, v) for k, v in forward if k != b"accept-encoding"]

@@ -167,3 +167,106 @@ def test_a_clients_own_deadline_is_kept_whole_and_slow_models_get_their_own(
         )
     )
     assert _slow_infer(per_model.http) == 200
+
+
+# -- item 4: headers forwarded to the model, as Triton's --http/grpc-header-forward-pattern do ---------------
+ECHO_CONFIG = """
+name: "echo_params"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+"""
+ECHO_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        # Triton adds forwarded headers to a request's parameters: answer with them.
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("OUTPUT0", np.array([r.parameters().encode()], dtype=np.object_))]
+            )
+            for r in requests
+        ]
+"""
+PATTERN = "^x-tenant-"
+
+
+@pytest.fixture(scope="module")
+def echo_triton(
+    tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton
+) -> Iterator[dict[str, list[TritonServer]]]:
+    repo = tmp_path_factory.mktemp("echo_repo")
+    (repo / "echo_params" / "1").mkdir(parents=True)
+    (repo / "echo_params" / "1" / "model.py").write_text(ECHO_PY)
+    for config in (repo / "echo_params" / "config.pbtxt", repo / "echo_params" / "configs" / "local.pbtxt"):
+        config.parent.mkdir(exist_ok=True)
+        config.write_text(ECHO_CONFIG)
+    forward = ("--http-header-forward-pattern", PATTERN, "--grpc-header-forward-pattern", PATTERN)
+    f = start_fleet(
+        repo, {"us-east": 1}, tmp_path_factory.mktemp("echo_logs"), prepared_triton, extra_args=forward
+    )
+    yield f
+    stop_fleet(f)
+
+
+def _echoed_http(address: str, headers: dict[str, str]) -> dict[str, object]:
+    body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [4], "data": [0.0] * 4}]})
+    status, answer = _send(address, "POST", "/v2/models/echo_params/infer", body.encode(), headers)
+    assert status == 200, answer
+    return json.loads(json.loads(answer)["outputs"][0]["data"][0])  # type: ignore[no-any-return]
+
+
+def _echoed_grpc(address: str, metadata: tuple[tuple[str, str], ...]) -> dict[str, object]:
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name="echo_params")
+    req.inputs.add(name="INPUT0", datatype="FP32", shape=[4]).contents.fp32_contents.extend([0.0] * 4)
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
+        answer = call(req, timeout=30, metadata=metadata)
+    raw = answer.raw_output_contents[0]
+    return json.loads(raw[4 : 4 + int.from_bytes(raw[:4], "little")])  # type: ignore[no-any-return]
+
+
+def test_headers_matching_the_forward_pattern_reach_the_model_and_keys_never_do(
+    echo_triton, make_gateway
+) -> None:
+    from gateway.auth import hash_key
+
+    key = "sk-forward-test-key-0123456789"
+    triton = echo_triton["us-east"][0]
+    sent = {"x-tenant-id": "acme", "x-other": "dropped", "authorization": f"Bearer {key}"}
+    direct = _echoed_http(triton.http_address, sent)
+    assert direct.get("x-tenant-id") == "acme" and "x-other" not in direct
+    plain = make_gateway(
+        gateway_config(
+            echo_triton,
+            cache={"backend": "memory", "models": ["echo_params"]},
+            auth={"keys": [{"name": "k", "sha256": hash_key(key)}]},
+        )
+    )
+    assert "x-tenant-id" not in _echoed_http(plain.http, sent)  # off unless configured
+    everything = make_gateway(
+        gateway_config(
+            echo_triton,
+            cache={"backend": "memory", "models": ["echo_params"]},
+            auth={"keys": [{"name": "k", "sha256": hash_key(key)}]},
+            routing={"header_forward_pattern": ".*"},  # wider than Triton's: Triton filters again
+        )
+    )
+    via = _echoed_http(everything.http, sent)
+    assert via.get("x-tenant-id") == "acme" and "authorization" not in via
+    # Another tenant's value is its own answer, never a cache hit of the first.
+    assert _echoed_http(everything.http, {**sent, "x-tenant-id": "globex"}).get("x-tenant-id") == "globex"
+    grpc_via = _echoed_grpc(everything.grpc, (("x-tenant-id", "acme"), ("authorization", f"Bearer {key}")))
+    assert grpc_via.get("x-tenant-id") == "acme" and "authorization" not in grpc_via
