@@ -237,7 +237,7 @@ class EndpointSliceSource(DiscoverySource):
                 "listing EndpointSlices of %s for %s failed (retrying): %s",
                 self.k8s.service,
                 self.region.region,
-                exc,
+                exc or exc.__class__.__name__,  # a timeout's message is empty
             )
 
     async def follow(self) -> None:

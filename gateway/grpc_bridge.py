@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[bytes, Any], Awaitable[bytes]]
 _PREFIX = 5  # compressed flag + 4-byte big-endian length
+_LINGER_S = 1.0  # a refused request's connection closes once the request is read, or after this
 _OFF_LOOP_BYTES = 64 * 1024  # larger compressed messages are inflated in a worker thread
 # Transport headers, not call metadata (grpc.aio does not show them to handlers either).
 _NOT_METADATA = frozenset(
@@ -215,6 +216,7 @@ class BridgeProtocol(asyncio.Protocol):
         self.call = _Call()
         self.task: asyncio.Task[None] | None = None
         self.refused = False
+        self.linger: asyncio.TimerHandle | None = None  # the close of a refused request
         self.headers_done = False
         self.body_timer: asyncio.TimerHandle | None = None
         self.receiving = 0  # this request's bytes counted in server.receiving
@@ -226,6 +228,8 @@ class BridgeProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
         self._stop_receiving()
+        if self.linger is not None:
+            self.linger.cancel()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client reset its stream or went away
 
@@ -307,8 +311,12 @@ class BridgeProtocol(asyncio.Protocol):
         self._stop_receiving()
         call, self.call = self.call, _Call()
         self.headers_done = False
-        if self.refused:
-            return  # already answered
+        if self.refused:  # already answered; the connection carries the next request
+            self.refused = False
+            if self.linger is not None:
+                self.linger.cancel()
+                self.linger = None
+            return
         self.task = asyncio.get_running_loop().create_task(self.server.handle(self, call))
 
     def _too_slow(self) -> None:
@@ -320,11 +328,13 @@ class BridgeProtocol(asyncio.Protocol):
         )
 
     def _refuse(self, code: grpc.StatusCode, message: str) -> None:
-        """Answer now and close: HAProxy resets the client's stream rather than sending more."""
+        """Answer now; the rest of the request is discarded as it comes. A request that ends within
+        _LINGER_S leaves the connection reusable (HAProxy pools it: closing it would fail the next
+        call sent on it); one that does not is closed then, and HAProxy resets the client's stream."""
         if not self.refused:
             self.refused = True
             self.write(encode_response(None, code, message, ()))
-            self._close()
+            self.linger = asyncio.get_running_loop().call_later(_LINGER_S, self._close)
         self._stop_receiving()
 
     def _stop_receiving(self) -> None:
@@ -339,6 +349,9 @@ class BridgeProtocol(asyncio.Protocol):
             self.transport.write(data)
 
     def _close(self) -> None:
+        if self.linger is not None:
+            self.linger.cancel()
+            self.linger = None
         if self.transport is not None:
             self.transport.close()
 

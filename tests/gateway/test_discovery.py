@@ -292,7 +292,11 @@ def test_servers_follow_endpointslices_under_load_with_zero_failed_requests(
         for s in servers.values():
             s.stop()
     assert load.failed == [] and load.ok > 100
-    assert api.lists == 1 and api.unauthorized == 0  # listed once, then followed the watch stream
+    # Listed once, then followed the watch stream: no re-list after a watch ended or failed. (On a
+    # loaded machine the first list can time out and be retried: that is the initial list, logged.)
+    log = gw.log_path.read_text()
+    assert "re-listing" not in log and api.unauthorized == 0, log[-2000:]
+    assert api.lists == 1 + log.count("listing EndpointSlices of triton for local failed (retrying)")
     assert api.watches[0]["timeoutSeconds"] == "77" and api.watches[0]["allowWatchBookmarks"] == "true"
     assert api.watches[0]["labelSelector"] == "kubernetes.io/service-name=triton"
 

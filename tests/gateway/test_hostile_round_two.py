@@ -714,3 +714,26 @@ def test_the_public_ports_speak_tls_and_keys_never_cross_in_clear(
         )
         with pytest.raises(grpc.RpcError):
             call(req, timeout=5, metadata=(("authorization", _bearer(VICTIM_KEY)),))
+
+
+def test_calls_refused_from_their_headers_leave_the_data_plane_usable(stack: GatewayUnderTest) -> None:
+    """100 keyless calls in a row on one channel: each is UNAUTHENTICATED (never UNAVAILABLE from a
+    worker connection closed under HAProxy's pool), and a keyed call after them is served."""
+    req = pb.ModelInferRequest(model_name="lt_nocache")
+    req.inputs.add(name="features", datatype="FP32", shape=[1, 8])
+    req.raw_input_contents.append(ROW.tobytes())
+    codes = []
+    with grpc.insecure_channel(stack.grpc) as channel:
+        call = channel.unary_unary(
+            INFER,
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
+        for _ in range(100):
+            try:
+                call(req, timeout=20)
+                codes.append("OK")
+            except grpc.RpcError as exc:
+                codes.append(exc.code().name)  # type: ignore[attr-defined]
+        assert call(req, timeout=20, metadata=(("authorization", _bearer(VICTIM_KEY)),)).outputs
+    assert codes == ["UNAUTHENTICATED"] * 100, sorted(set(codes))
