@@ -54,6 +54,18 @@ def one_triton(
     stop_fleet(f)
 
 
+def _redis_cache(redis_url: str, namespace: str, **extra: str) -> dict[str, Any]:
+    """The Redis cache for `lt`, in a namespace of this test run's own."""
+    return {
+        "backend": "redis",
+        "redis_url": redis_url,
+        "namespace": f"{namespace}-{os.getpid()}",
+        "hmac_secret": secrets.token_hex(32),
+        "models": ["lt"],
+        **extra,
+    }
+
+
 @pytest.fixture(scope="module")
 def stack(one_triton, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayUnderTest]:
     keys = [
@@ -65,13 +77,7 @@ def stack(one_triton, redis_url: str, tmp_path_factory: pytest.TempPathFactory) 
         one_triton,
         listen={"workers": 2},
         auth={"keys": keys},
-        cache={
-            "backend": "redis",
-            "redis_url": redis_url,
-            "namespace": f"round2-{os.getpid()}",
-            "hmac_secret": secrets.token_hex(32),
-            "models": ["lt"],
-        },
+        cache=_redis_cache(redis_url, "round2"),
         # Long enough that anything held until the body timer would outlast every wait below.
         limits={
             "max_request_bytes": MIB,
@@ -392,14 +398,7 @@ def test_with_per_key_tenancy_no_key_hits_another_keys_entry(
             one_triton,
             listen={"workers": 2},
             auth={"keys": keys},
-            cache={
-                "backend": "redis",
-                "redis_url": redis_url,
-                "namespace": f"tenancy-{os.getpid()}",
-                "hmac_secret": secrets.token_hex(32),
-                "models": ["lt"],
-                "tenancy": "per_key",
-            },
+            cache=_redis_cache(redis_url, "tenancy", tenancy="per_key"),
         )
     )
     body, req = _cached_request(0.25)
