@@ -390,8 +390,12 @@ class GrpcFront:
             request_id = checked_request_id(sent_id) if sent_id else ""
             # An unknown key is refused before a byte of the message is parsed; the message's bytes
             # count against its caller while it is handled.
-            principal = gw.auth.authenticate(md.get("authorization"), md.get("x-api-key"))
-            caller = gw.caller_of(principal, client_address(context.peer()))
+            pre: Precheck | None = getattr(context, "precheck", None)
+            if pre is not None and pre.rate is not None:  # the bridge checked the key from the headers
+                principal, caller = pre.principal, pre.caller
+            else:
+                principal = gw.auth.authenticate(md.get("authorization"), md.get("x-api-key"))
+                caller = gw.caller_of(principal, client_address(context.peer()))
             gw.bodies.reserve(caller, len(request))
             held = len(request)
             req = await self._decode(pb.ModelInferRequest, request)

@@ -52,6 +52,16 @@ def stop_fleet(fleet: dict[str, list[TritonServer]]) -> None:
 
 
 @pytest.fixture(scope="module")
+def one_triton(
+    gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton
+) -> Iterator[dict[str, list[TritonServer]]]:
+    """One server (region us-east), one per test module that asks for it."""
+    f = start_fleet(gateway_repo, {"us-east": 1}, tmp_path_factory.mktemp("one_triton_logs"), prepared_triton)
+    yield f
+    stop_fleet(f)
+
+
+@pytest.fixture(scope="module")
 def fleet(
     gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton
 ) -> Iterator[dict[str, list[TritonServer]]]:

@@ -14,35 +14,21 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from skewserve.triton_dist import PreparedTriton
-from skewserve.triton_process import TritonServer
 from tests.gateway.conftest import (
     GatewayUnderTest,
     gateway_config,
     launch_gateway,
-    start_fleet,
-    stop_fleet,
 )
 from tests.gateway.relay import TcpRelay
 
 pytestmark = pytest.mark.slow
 MAX_BATCH = 8
-
-
-@pytest.fixture(scope="module")
-def one_triton(
-    gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton
-) -> Iterator[dict[str, list[TritonServer]]]:
-    f = start_fleet(gateway_repo, {"us-east": 1}, tmp_path_factory.mktemp("hostile_logs"), prepared_triton)
-    yield f
-    stop_fleet(f)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,22 +23,11 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from gateway.auth import hash_key
-from skewserve.triton_dist import PreparedTriton
-from skewserve.triton_process import TritonServer
-from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway, start_fleet, stop_fleet
+from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 USER_KEY = "sk-review-user-7d3e91b0c2"
-
-
-@pytest.fixture(scope="module")
-def one_triton(
-    gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton
-) -> Iterator[dict[str, list[TritonServer]]]:
-    f = start_fleet(gateway_repo, {"us-east": 1}, tmp_path_factory.mktemp("review_logs"), prepared_triton)
-    yield f
-    stop_fleet(f)
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,7 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from gateway.auth import hash_key
-from skewserve.triton_dist import PreparedTriton
-from skewserve.triton_process import TritonServer
-from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway, start_fleet, stop_fleet
+from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway
 from tests.gateway.steady_load import check_infer_answer
 from tests.gateway.test_workers import ROW, workers_of
 from tests.waiting import wait_until
@@ -43,15 +41,6 @@ MEMORY_SLACK = 64 * MIB
 SMALL_BODY = json.dumps(
     {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 8], "data": ROW.ravel().tolist()}]}
 ).encode()
-
-
-@pytest.fixture(scope="module")
-def one_triton(
-    gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton
-) -> Iterator[dict[str, list[TritonServer]]]:
-    f = start_fleet(gateway_repo, {"us-east": 1}, tmp_path_factory.mktemp("round2_logs"), prepared_triton)
-    yield f
-    stop_fleet(f)
 
 
 def _redis_cache(redis_url: str, namespace: str, **extra: str) -> dict[str, Any]:

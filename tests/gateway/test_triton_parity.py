@@ -20,15 +20,6 @@ ROW = np.linspace(-1, 1, 8, dtype=np.float32).reshape(1, 8)
 
 
 @pytest.fixture(scope="module")
-def one_triton(
-    gateway_repo: Path, tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton
-) -> Iterator[dict[str, list[TritonServer]]]:
-    f = start_fleet(gateway_repo, {"us-east": 1}, tmp_path_factory.mktemp("parity_logs"), prepared_triton)
-    yield f
-    stop_fleet(f)
-
-
-@pytest.fixture(scope="module")
 def gw(one_triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayUnderTest]:
     g = launch_gateway(gateway_config(one_triton), tmp_path_factory.mktemp("parity_gw"))
     yield g
