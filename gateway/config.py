@@ -525,6 +525,25 @@ class LimitsConfig(_Strict):
         "gateway's memory limit (1 GiB in deploy/k8s)",
     )
 
+    max_streams: int = Field(
+        default=1024,
+        ge=1,
+        description="streams (gRPC ModelStreamInfer, HTTP generate_stream) one worker carries at once; "
+        "beyond it new ones get RESOURCE_EXHAUSTED / 503",
+    )
+    max_streams_per_caller: int = Field(
+        default=32,
+        ge=1,
+        description="streams one caller (an API key, or a client address with auth off) holds open at "
+        "once in one worker, within max_streams; beyond it that caller's new ones are refused",
+    )
+    stream_idle_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="a stream with no message either way for this long ends with DEADLINE_EXCEEDED / "
+        "is closed (a client deadline, when shorter, ends it first)",
+    )
+
     max_buffered_body_bytes_per_caller: int = Field(
         default=0,
         ge=0,

@@ -28,6 +28,7 @@ from gateway.limits import RateLimiter, client_key
 from gateway.metrics import OTHER_MODEL, GatewayMetrics
 from gateway.redis_link import RedisLink
 from gateway.router import Region, RegionRouter
+from gateway.stream_slots import StreamSlots
 from gateway.upstream import UpstreamServer
 from gateway.upstream_grpc import GrpcRelay
 
@@ -97,6 +98,8 @@ class Gateway:
         )
         # Request bytes held by both fronts together: one bound for the worker, one per caller.
         self.bodies = BodyBudget(cfg.limits.max_buffered_body_bytes, cfg.limits.per_caller_body_bytes)
+        # Open streams (gRPC ModelStreamInfer, HTTP generate_stream) of both fronts together.
+        self.streams = StreamSlots(cfg.limits.max_streams, cfg.limits.max_streams_per_caller)
         self.discovery = Discovery(self)  # regions with `discover`: servers from DNS or Kubernetes
         self.metrics.model_label = self.model_label
         self.redis: RedisLink | None = None
@@ -359,14 +362,16 @@ class Gateway:
         deadline: float,
         attempt: Attempt[T],
         sequence_id: SequenceId = None,
+        hedge: bool = True,
     ) -> Outcome[T]:
         """Route and send; an unknown model goes to any server so Triton answers in its own words.
 
-        `sequence_id` (stateful models) keeps every request of a sequence on one server, unretried.
+        `sequence_id` (stateful models) keeps every request of a sequence on one server, unretried;
+        `hedge=False` never sends a second copy (streams).
         """
         try:
             return await self.dispatcher.send(
-                model, version, pinned, deadline, attempt, sequence_id=sequence_id
+                model, version, pinned, deadline, attempt, sequence_id=sequence_id, hedge=hedge
             )
         except NoReadyServer:
             if pinned is None and not self.router.knows_model(model):

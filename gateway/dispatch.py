@@ -185,8 +185,10 @@ class Dispatcher:
         attempt: Attempt[T],
         route_any: bool = False,
         sequence_id: SequenceId = None,
+        hedge: bool = True,
     ) -> Outcome[T]:
-        """Run `attempt` on chosen servers until one answers, the budget or deadline runs out."""
+        """Run `attempt` on chosen servers until one answers, the budget or deadline runs out.
+        `hedge=False`: never a second copy (an attempt that opens a stream must run once at a time)."""
         version = check_version(version)
         self.budget.deposit()
         sticky = None if sequence_id in (None, 0, "") else str(sequence_id)
@@ -222,7 +224,7 @@ class Dispatcher:
                         and not self.router.has_alternative(model, version, pinned, [*tried, route.server])
                     )
                 )
-                if model in self.hedged_models and not route_any and sticky is None:
+                if hedge and model in self.hedged_models and not route_any and sticky is None:
                     value, route = await self._hedged(
                         route, attempt, deadline, model, version, pinned, tried, final
                     )

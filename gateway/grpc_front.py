@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -179,8 +180,15 @@ class GrpcFront:
             SERVICE, {name: raw(fn) for name, fn in self.methods().items()}
         )
 
-    async def start(self, host: str, port: int, tls: TlsConfig | None = None) -> int:
-        """Bind and serve (over TLS with `tls`); ListenError names listen.grpc_port when taken."""
+    async def start(
+        self,
+        host: str,
+        port: int,
+        tls: TlsConfig | None = None,
+        extra: Sequence[grpc.GenericRpcHandler] = (),
+    ) -> int:
+        """Bind and serve (over TLS with `tls`), with `extra` handlers (streams) beside the unary
+        methods; ListenError names listen.grpc_port when taken."""
         # grpc reports a failed bind only as port 0, after logging its own lines: check first.
         check_free(host, port, "grpc_port")
         options = [
@@ -189,7 +197,7 @@ class GrpcFront:
             ("grpc.so_reuseport", 0),
         ]
         self.server = grpc.aio.server(options=options)
-        self.server.add_generic_rpc_handlers((self.handlers(),))
+        self.server.add_generic_rpc_handlers((self.handlers(), *extra))
         if tls is None:
             bound = self.server.add_insecure_port(f"{host}:{port}")
         else:

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 PEER_HEADER = "x-skewserve-peer"
 TARGET_IP_HEADER = "x-skewserve-target-ip"
 TARGET_PORT_HEADER = "x-skewserve-target-port"
+STREAM_PATH = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
 class DataPlaneError(RuntimeError):
@@ -63,6 +64,7 @@ class DataPlaneSpec:
 
     grpc_fd: int
     worker_sockets: Sequence[Path]
+    stream_sockets: Sequence[Path]  # each worker's grpc.aio socket for ModelStreamInfer (HTTP/2)
     relay_socket: Path
     admin_socket: Path
     header_read_timeout_s: float
@@ -94,6 +96,9 @@ def render_config(spec: DataPlaneSpec) -> str:
     workers = "\n".join(
         f"  server w{i} unix@{path} maxconn 1024" for i, path in enumerate(spec.worker_sockets)
     )
+    streamers = "\n".join(
+        f"  server s{i} unix@{path} proto h2 maxconn 4096" for i, path in enumerate(spec.stream_sockets)
+    )
     # Timeouts: the client side is bounded like the HTTP listener's header read; the server sides
     # are generous because each worker enforces every request's own deadline and cancels on expiry.
     return f"""\
@@ -124,7 +129,18 @@ frontend grpc_in
 {_per_source(spec.max_connections_per_source)}  http-request set-header {PEER_HEADER} %[src]
   http-request del-header {TARGET_IP_HEADER}
   http-request del-header {TARGET_PORT_HEADER}
+  # Streams cannot cross an HTTP/1.1 request/response: HTTP/2 on to the workers' grpc.aio sockets.
+  use_backend streams if {{ path {STREAM_PATH} }}
   default_backend workers
+
+backend streams
+  balance leastconn
+  # A stream lives as long as its client keeps it (each worker bounds idle ones itself).
+  timeout server 24h
+  retries 3
+  retry-on conn-failure
+  option redispatch 1
+{streamers}
 
 backend workers
   balance leastconn
@@ -162,6 +178,10 @@ def runtime_dir() -> Path:
 
 def bridge_socket(directory: Path, index: int) -> Path:
     return directory / f"w{index}.sock"
+
+
+def stream_socket(directory: Path, index: int) -> Path:
+    return directory / f"s{index}.sock"
 
 
 class HaproxyProcess:

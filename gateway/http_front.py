@@ -37,6 +37,7 @@ from gateway.errors import (
     UpstreamRejected,
     http_status_for,
 )
+from gateway.http_generate import GenerateFront, parse_generate_path
 from gateway.infer_body import (
     OFF_LOOP_BYTES,
     InferBody,
@@ -165,12 +166,17 @@ class HttpFront:
         self.max_tensors = cfg.limits.max_tensors
         self.inflate_ratio = cfg.limits.max_inflate_ratio
         self.aliases: ExactAliases[HttpResponse] = ExactAliases()
+        self.generate = GenerateFront(self)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             target = parse_infer_path(scope["path"])
             if target is not None:
                 await self.infer(scope, receive, send, *target)
+                return
+            generate = parse_generate_path(scope["path"])
+            if generate is not None:
+                await self.generate(scope, receive, send, *generate)
                 return
         await self.api(scope, receive, send)
 

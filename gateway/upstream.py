@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import ServerConfig
-from gateway.upstream_grpc import GrpcChannel, GrpcRelay, RelayChannel
+from gateway.upstream_grpc import GrpcChannel, GrpcRelay, RelayChannel, StreamChannel
 from gateway.upstream_http import HttpPool, HttpResponse
 
 Clock = Callable[[], float]
@@ -80,6 +80,7 @@ class UpstreamServer:
         self.grpc: GrpcChannel | RelayChannel = (
             grpc_relay.channel(cfg.grpc) if grpc_relay is not None else GrpcChannel(cfg.grpc)
         )
+        self.streams = StreamChannel(cfg.grpc)  # ModelStreamInfer: always direct, never relayed
         self.clock = clock
         self.latency = LatencyStats(decay_s)
         self.probe_rtt = LatencyStats(decay_s * 5)
@@ -133,6 +134,7 @@ class UpstreamServer:
     async def close(self) -> None:
         await self.http.close()
         await self.grpc.close()
+        await self.streams.close()
 
     def describe(self, now: float) -> dict[str, Any]:
         return {

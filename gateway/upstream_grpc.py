@@ -73,6 +73,35 @@ class GrpcChannel:
             await self.channel.close()
 
 
+class StreamChannel:
+    """A grpc.aio channel for one Triton's streams (ModelStreamInfer): bidirectional calls, which the
+    unary relay through HAProxy cannot carry. Created on first use (it binds to the running loop)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel: grpc.aio.Channel | None = None
+
+    def open(self, metadata: Sequence[tuple[str, str]], timeout_s: float | None) -> grpc.aio.StreamStreamCall:
+        if self.channel is None:
+            self.channel = grpc.aio.insecure_channel(
+                self.address,
+                options=[
+                    ("grpc.max_send_message_length", _MAX_MESSAGE),
+                    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                    ("grpc.enable_retries", 0),
+                    ("grpc.keepalive_time_ms", 10_000),
+                ],
+            )
+        method = self.channel.stream_stream(
+            SERVICE + "ModelStreamInfer", request_serializer=None, response_deserializer=None
+        )
+        return method(metadata=tuple(metadata) or None, timeout=timeout_s)
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+
 def _http_for(code: grpc.StatusCode) -> int:
     return {
         grpc.StatusCode.INVALID_ARGUMENT: 400,

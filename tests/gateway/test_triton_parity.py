@@ -77,8 +77,9 @@ def test_an_invalid_version_string_gets_tritons_status(one_triton, gw, version: 
 
 
 def test_a_method_the_gateway_does_not_serve_is_refused_at_once_by_name(gw) -> None:
-    """ModelStreamInfer held open, as tritonclient's start_stream holds it: UNIMPLEMENTED naming
-    the method while the client's stream is still open, not a wait for the body timer."""
+    """A method refused by design (model control), its request held open as a stream client would
+    hold it: UNIMPLEMENTED naming the method while the request is still open, not a wait for the
+    body timer."""
     import asyncio
 
     import grpc.aio
@@ -93,7 +94,7 @@ def test_a_method_the_gateway_does_not_serve_is_refused_at_once_by_name(gw) -> N
             await release.wait()  # the stream stays open
 
         async with grpc.aio.insecure_channel(gw.grpc) as channel:
-            call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")(
+            call = channel.stream_stream("/inference.GRPCInferenceService/RepositoryModelLoad")(
                 requests(), timeout=120
             )
             try:
@@ -108,7 +109,7 @@ def test_a_method_the_gateway_does_not_serve_is_refused_at_once_by_name(gw) -> N
     code, details = asyncio.run(asyncio.wait_for(main(), 60))
     assert (code, details) == (
         grpc.StatusCode.UNIMPLEMENTED,
-        "Method not found: /inference.GRPCInferenceService/ModelStreamInfer",
+        "Method not found: /inference.GRPCInferenceService/RepositoryModelLoad",
     )
 
 

@@ -1,0 +1,293 @@
+"""gRPC `ModelStreamInfer` through the gateway: one client stream carried to one Triton's stream.
+
+Sequence streams and decoupled models (any number of responses per request) need every message
+of a stream on one server, so the balancer picks a server once, from the first message's model
+(a sequence's correlation id picks the same server its unary requests go to), and the stream stays
+there. Messages go on as the client sent them and responses come back as Triton sent them, each
+as it arrives: no cache, no hedging, and no retry once anything was sent. Cancellation goes both
+ways: a client that cancels cancels the upstream stream; a server that fails (or is killed) ends
+the client's stream with its status (UNAVAILABLE), never a hang.
+
+Under the hostile-client rules: the key is checked when the stream opens, open streams are bounded
+per worker and per caller (gateway/stream_slots.py), every message is checked against the key's
+model list and rate limit (a refused message gets an in-stream error, as Triton reports a failed
+request, and the stream goes on), a stream idle both ways past limits.stream_idle_timeout_s ends,
+and HTTP/2 flow control holds a client that sends faster than Triton answers.
+
+Served by grpc.aio: in the grpcio plane on the public port, in the HAProxy plane on each worker's
+stream socket, to which HAProxy sends this one method as HTTP/2 (gateway/haproxy.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import service_pb2 as pb
+
+from gateway.auth import Principal
+from gateway.core import Gateway
+from gateway.dispatch import check_version
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    NoReadyServer,
+    Overloaded,
+    UpstreamRejected,
+    UpstreamTimeout,
+    grpc_code_for,
+)
+from gateway.grpc_front import SERVICE, _check_echoed_lengths, _check_tensor_counts, _sequence_id
+from gateway.haproxy import PEER_HEADER
+from gateway.limits import client_address
+from gateway.request_id import checked_request_id, new_request_id
+from gateway.upstream import UpstreamServer
+
+logger = logging.getLogger(__name__)
+METHOD = "ModelStreamInfer"
+PATH = f"/{SERVICE}/{METHOD}"
+_PENDING = 8  # responses queued for a slow client before Triton's stream is read no further
+_END = object()
+# A stream ending with these says the server failed, not the client's input.
+_SERVER_FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+
+
+class _Idle:
+    """The last time anything moved on a stream, either way."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, now: float) -> None:
+        self.at = now
+
+
+class StreamInfer:
+    """The `ModelStreamInfer` behaviour for grpc.aio (raw bytes in, raw bytes out)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+        self.slots = gateway.streams
+        cfg = gateway.cfg
+        self.idle_s = cfg.limits.stream_idle_timeout_s
+        self.max_tensors = cfg.limits.max_tensors
+        self.region_key = cfg.routing.region_header.lower()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        # A bound async-generator method: grpc.aio tells async handlers from sync ones by inspection.
+        method = grpc.stream_stream_rpc_method_handler(
+            self.serve, request_deserializer=None, response_serializer=None
+        )
+        return grpc.method_handlers_generic_handler(SERVICE, {METHOD: method})
+
+    async def serve(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        gw = self.gw
+        started = gw.clock()
+        md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        status = "OK"
+        model = region = server_name = ""
+        try:
+            checked_request_id(md.get("x-request-id"))
+            if gw.refusing:
+                raise Overloaded("gateway is shutting down; open the stream on another replica")
+            client = _client(context, md)
+            principal = gw.auth.authenticate(md.get("authorization"), md.get("x-api-key"))
+            await gw.check_rate(principal, client)
+            with self.slots.hold(gw.caller_of(principal, client)):
+                idle = _Idle(gw.clock())
+                first = await self._next(requests, idle)
+                if first is _END:
+                    return  # closed before sending anything: nothing to answer
+                assert isinstance(first, bytes)
+                req = self._checked(first, principal)
+                model = req.model_name
+                server = self._server(req, md.get(self.region_key))
+                region, server_name = server.region, server.name
+                async for response in self._relay(
+                    server, first, requests, principal, client, md, context, idle
+                ):
+                    yield response
+        except GatewayError as exc:
+            status = exc.grpc_code.name
+            await context.abort(grpc_code_for(exc), exc.message)
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            raise
+        finally:
+            gw.metrics.request(model, region, server_name, "grpc_stream", status, gw.clock() - started)
+
+    # -- one message ----------------------------------------------------------------------------
+    def _checked(self, raw: bytes, principal: Principal | None) -> pb.ModelInferRequest:
+        """The message, checked as a unary ModelInfer is; GatewayError naming what is wrong."""
+        try:
+            req = pb.ModelInferRequest.FromString(raw)
+        except DecodeError as exc:
+            raise BadRequest(f"malformed ModelInferRequest: {exc}") from None
+        self.gw.admit_model(principal, req.model_name)
+        _check_tensor_counts(req, self.max_tensors)
+        _check_echoed_lengths(req)
+        return req
+
+    def _server(self, req: pb.ModelInferRequest, pinned: str | None) -> UpstreamServer:
+        """The stream's one server: the balancer's pick for the first message's model (a sequence's
+        own server for a correlation id); any server for an unknown model, so Triton answers it."""
+        router = self.gw.router
+        sequence = _sequence_id(req)
+        try:
+            version = check_version(req.model_version)
+            return router.route(
+                req.model_name, version, pinned, sticky=None if sequence is None else str(sequence)
+            ).server
+        except NoReadyServer:
+            if pinned is None and not router.knows_model(req.model_name):
+                return router.any_server()
+            raise
+
+    async def _next(self, requests: AsyncIterator[bytes], idle: _Idle) -> bytes | object:
+        try:
+            message = await asyncio.wait_for(anext(requests), self.idle_s)
+        except StopAsyncIteration:
+            return _END
+        except asyncio.TimeoutError:
+            raise UpstreamTimeout(self._idle_message()) from None
+        idle.at = self.gw.clock()
+        return message
+
+    def _idle_message(self) -> str:
+        return f"no stream message either way for {self.idle_s:g}s (limits.stream_idle_timeout_s)"
+
+    # -- the stream -----------------------------------------------------------------------------
+    async def _relay(
+        self,
+        server: UpstreamServer,
+        first: bytes,
+        requests: AsyncIterator[bytes],
+        principal: Principal | None,
+        client: str,
+        md: dict[str, str],
+        context: grpc.aio.ServicerContext,
+        idle: _Idle,
+    ) -> AsyncIterator[bytes]:
+        gw = self.gw
+        passed_on = tuple((k, v) for k, v in md.items() if gw.forwarded(k))
+        request_id = md.get("x-request-id") or new_request_id()
+        call = server.streams.open((("x-request-id", request_id), *passed_on), context.time_remaining())
+        out: asyncio.Queue[bytes | object] = asyncio.Queue(_PENDING)
+        server.inflight += 1
+        server.requests += 1
+        sending = asyncio.get_running_loop().create_task(
+            self._send(call, first, requests, principal, client, out, idle)
+        )
+        sending.add_done_callback(_log_failure)
+        receiving = asyncio.get_running_loop().create_task(self._receive(call, out, idle))
+        try:
+            # Where the stream went, before its first response (a unary call says so in trailers).
+            await context.send_initial_metadata(
+                (("x-skewserve-region", server.region), ("x-skewserve-server", server.name))
+            )
+            while True:
+                item = await self._taken(out, idle)
+                if item is _END:
+                    break
+                assert isinstance(item, bytes)
+                yield item
+                idle.at = gw.clock()
+            code = await call.code()
+            if code != grpc.StatusCode.OK:
+                details = await call.details() or code.name
+                if code in _SERVER_FAULTS:
+                    gw.detector.failure(server, f"stream ended: {code.name}: {details}", gw.clock())
+                    details = f"server {server.name}: {details}"
+                raise UpstreamRejected(details, grpc_code=code)
+            gw.detector.success(server)
+        finally:
+            server.inflight -= 1
+            call.cancel()  # a no-op once it ended; otherwise the client went away or failed
+            for task in (sending, receiving):
+                task.cancel()
+            for task in (sending, receiving):
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await task
+
+    async def _taken(self, out: asyncio.Queue[bytes | object], idle: _Idle) -> object:
+        """The next response, or the end; DEADLINE_EXCEEDED when nothing moved for the idle bound
+        (a message the client sent moves the bound on while this waits)."""
+        while True:
+            left = idle.at + self.idle_s - self.gw.clock()
+            if left <= 0:
+                raise UpstreamTimeout(self._idle_message())
+            with contextlib.suppress(asyncio.TimeoutError):
+                return await asyncio.wait_for(out.get(), left)
+
+    async def _send(
+        self,
+        call: grpc.aio.StreamStreamCall,
+        first: bytes,
+        requests: AsyncIterator[bytes],
+        principal: Principal | None,
+        client: str,
+        out: asyncio.Queue[bytes | object],
+        idle: _Idle,
+    ) -> None:
+        """The client's messages on to Triton as they come, each checked; refused ones answered here."""
+        gw = self.gw
+        await call.write(first)
+        async for raw in requests:
+            idle.at = gw.clock()
+            try:
+                req = self._checked(raw, principal)
+                await gw.check_rate(principal, client)
+            except GatewayError as exc:
+                await out.put(_error_response(raw, exc.message))
+                continue
+            del req
+            await call.write(raw)
+        await call.done_writing()
+
+    async def _receive(
+        self, call: grpc.aio.StreamStreamCall, out: asyncio.Queue[bytes | object], idle: _Idle
+    ) -> None:
+        """Triton's responses as they come; the end (whatever the status) once its stream ends."""
+        try:
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    break
+                idle.at = self.gw.clock()
+                await out.put(message)
+        except grpc.aio.AioRpcError:
+            pass  # the status is read from the call
+        await out.put(_END)
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    # Writes after Triton ended the stream fail; the end is reported from the call's status.
+    if not task.cancelled() and task.exception() is not None:
+        exc = task.exception()
+        if not isinstance(exc, (grpc.aio.AioRpcError, asyncio.InvalidStateError)):
+            logger.error("stream: forwarding the client's messages failed", exc_info=exc)
+
+
+def _client(context: grpc.aio.ServicerContext, md: dict[str, str]) -> str:
+    """The client's address: from HAProxy's header when the call came through it (a unix socket
+    peer, which only HAProxy reaches), else the connection's own; a client's header never counts."""
+    peer = context.peer() or ""
+    if peer.startswith("unix:"):
+        return md.get(PEER_HEADER, "")
+    return client_address(peer)
+
+
+def _error_response(raw: bytes, message: str) -> bytes:
+    """An in-stream error, as Triton answers a failed request on a stream (the id when readable)."""
+    try:
+        sent = pb.ModelInferRequest.FromString(raw)
+        echo = pb.ModelInferResponse(id=sent.id, model_name=sent.model_name, model_version=sent.model_version)
+    except DecodeError:
+        echo = pb.ModelInferResponse()
+    return pb.ModelStreamInferResponse(error_message=message, infer_response=echo).SerializeToString()
