@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,9 +273,16 @@ class Bench:
 # --- sections -----------------------------------------------------------------------------------
 
 
+@dataclass
+class HopFigures:
+    ratio: float  # throughput via / direct at concurrency 8
+    cpu_us: float  # the proxy's CPU per request
+    added_ms: float  # added median at concurrency 1
+
+
 def hop_row(
     bench: Bench, label: str, protocol: str, address: str, pid: int, gateway: Gateway | None = None
-) -> None:
+) -> HopFigures:
     """One proxy path against direct Triton measured right before it (so drift hits both alike)."""
     direct_address = bench.a.http_address if protocol == "http" else bench.a.grpc_address
     ready = gateway.wait_available if gateway is not None else (lambda: None)
@@ -288,6 +297,7 @@ def hop_row(
         f"| {d50:.3f} | {v50:.3f} | {v50 - d50:+.3f} |",
         flush=True,
     )
+    return HopFigures(via.rps / direct.rps, cpu_us, v50 - d50)
 
 
 def section_hop(bench: Bench, gw: Gateway) -> None:
@@ -304,8 +314,8 @@ def section_hop(bench: Bench, gw: Gateway) -> None:
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     plane = "grpc_data_plane" in listen_fields()
-    hop_row(bench, "skewserve gateway", "http", gw.http, gw.proc.pid, gw)
-    hop_row(
+    gw_http = hop_row(bench, "skewserve gateway", "http", gw.http, gw.proc.pid, gw)
+    gw_grpc = hop_row(
         bench, f"skewserve gateway{', data plane haproxy' if plane else ''}", "grpc", gw.grpc, gw.proc.pid, gw
     )
     if plane:
@@ -317,10 +327,55 @@ def section_hop(bench: Bench, gw: Gateway) -> None:
     a = bench.a
     ports = (free_port(), free_port())
     with haproxy_reference(haproxy_binary(), a.http_address, a.grpc_address, bench.work, ports) as ref:
-        hop_row(bench, "HAProxy 2.8 pass-through", "http", ref.http, ref.pid)
-        hop_row(bench, "HAProxy 2.8 pass-through (h2)", "grpc", ref.grpc, ref.pid)
+        ha_http = hop_row(bench, "HAProxy 2.8 pass-through", "http", ref.http, ref.pid)
+        ha_grpc = hop_row(bench, "HAProxy 2.8 pass-through (h2)", "grpc", ref.grpc, ref.pid)
+    with bare_python_proxy(a.http_address) as (address, pid):
+        bare = hop_row(bench, "bare Python pass-through (uvloop + httptools)", "http", address, pid)
     if not plane:
         print("\n(this gateway build has no `listen.grpc_data_plane`: its gRPC row is its only data plane)")
+    print("\nThe gateway as ratios to the references above (same run; issue 21's goals):\n")
+    print("| ratio | measured | goal |")
+    print("|---|---:|---:|")
+    rows = [
+        ("HTTP CPU per request, gateway / bare Python", gw_http.cpu_us / bare.cpu_us, "<= 2"),
+        ("HTTP throughput at c8, gateway / HAProxy", gw_http.ratio / ha_http.ratio, ">= 0.85"),
+        ("HTTP added median at c1, gateway / HAProxy", _ratio(gw_http.added_ms, ha_http.added_ms), "<= 2"),
+        ("gRPC CPU per request, gateway / HAProxy h2", gw_grpc.cpu_us / ha_grpc.cpu_us, "<= 2.5"),
+        ("gRPC throughput at c8, gateway / HAProxy h2", gw_grpc.ratio / ha_grpc.ratio, ">= 0.8"),
+        ("gRPC added median at c1, gateway / HAProxy h2", _ratio(gw_grpc.added_ms, ha_grpc.added_ms), "<= 2"),
+    ]
+    for name, value, goal in rows:
+        print(f"| {name} | {value:.2f}x | {goal} |", flush=True)
+
+
+def _ratio(a: float, b: float) -> float:
+    # Added medians of a few tens of microseconds: floor the reference so noise cannot divide by ~0.
+    return max(a, 0.0) / max(b, 0.02)
+
+
+@contextlib.contextmanager
+def bare_python_proxy(upstream: str) -> Iterator[tuple[str, int]]:
+    """benchmarks/bare_proxy.py in front of `upstream`: (its address, its pid)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("bare_proxy.py")), str(port), upstream],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the bare Python pass-through did not start") from None
+                time.sleep(0.05)
+        yield f"127.0.0.1:{port}", proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def haproxy_binary() -> str:
