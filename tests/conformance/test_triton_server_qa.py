@@ -71,7 +71,9 @@ def test_tritons_generate_endpoint_tests_pass_through_the_gateway(qa_triton, qa_
     for name in sorted(direct):
         print(f"{name:52s} direct {direct[name]:5s} gateway {via.get(name, 'missing')}")
     passed = sorted(n for n, r in direct.items() if r == "ok")
-    print(f"generate (HTTP): {len(direct)} tests, {len(passed)} pass directly, "
-          f"{sum(r == 'ok' for r in via.values())} through the gateway")
+    print(
+        f"generate (HTTP): {len(direct)} tests, {len(passed)} pass directly, "
+        f"{sum(r == 'ok' for r in via.values())} through the gateway"
+    )
     assert len(passed) >= len(direct) - 2, f"the local Triton fails most of its own tests: {direct}"
     assert [n for n in passed if via.get(n) != "ok"] == []
