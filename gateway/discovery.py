@@ -18,98 +18,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from gateway.config import DiscoveryConfig, GatewayConfig, ServerConfig
-from gateway.upstream import UpstreamServer
-
-if TYPE_CHECKING:
-    from gateway.core import Gateway
+from gateway.config import DiscoveryConfig, GatewayConfig
+from gateway.discovery_dns import DnsSource
+from gateway.discovery_k8s import EndpointSliceSource
+from gateway.discovery_source import DiscoveredRegion, DiscoverySource, Fleet
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Endpoint:
-    """One server as a source sees it: where its HTTP and gRPC endpoints listen."""
-
-    address: str
-    http_port: int
-    grpc_port: int
-
-    def server_config(self, region: str) -> ServerConfig:
-        host = f"[{self.address}]" if ":" in self.address else self.address  # IPv6
-        return ServerConfig(
-            name=f"{region}/{self.address}", http=f"{host}:{self.http_port}", grpc=f"{host}:{self.grpc_port}"
-        )
-
-
-class DiscoveredRegion:
-    """The discovered servers of one region, kept equal to what its source last reported."""
-
-    def __init__(self, gw: Gateway, region: str) -> None:
-        self.gw = gw
-        self.region = region
-        self.discovered: dict[str, tuple[Endpoint, UpstreamServer]] = {}  # address -> server
-        self.applied = 0
-
-    async def apply(self, endpoints: set[Endpoint]) -> None:
-        """Add the new endpoints (probed first), drain the departed ones."""
-        self.applied += 1
-        wanted = {e.address: e for e in endpoints}
-        for address, (endpoint, server) in list(self.discovered.items()):
-            if wanted.get(address) != endpoint:  # gone, or its ports changed: a new server
-                del self.discovered[address]
-                self.gw.remove_server(server)
-        new = [e for a, e in sorted(wanted.items()) if a not in self.discovered]
-        servers = [self.gw.new_server(e.server_config(self.region), self.region) for e in new]
-        joined = await asyncio.gather(*(self.gw.add_server(s) for s in servers))  # probes in parallel
-        for endpoint, server, ok in zip(new, servers, joined, strict=True):
-            if ok:
-                self.discovered[endpoint.address] = (endpoint, server)
-
-    def release(self) -> None:
-        """Drain every discovered server (discovery turned off for the region, or the region left)."""
-        for _, server in self.discovered.values():
-            self.gw.remove_server(server)
-        self.discovered.clear()
-
-
-class DiscoverySource(ABC):
-    """Where a region's endpoints come from; each report is the full set of endpoints."""
-
-    def __init__(self, region: DiscoveredRegion, cfg: DiscoveryConfig) -> None:
-        self.region = region
-        self.cfg = cfg
-
-    @abstractmethod
-    async def initial(self) -> None:
-        """The first report, before the gateway serves (a failure is logged; `follow` retries)."""
-
-    @abstractmethod
-    async def follow(self) -> None:
-        """Keep reporting changes until cancelled."""
-
-    async def close(self) -> None:  # noqa: B027 - most sources hold nothing to release
-        """Release the source's own resources (connections)."""
-
-
 def make_source(region: DiscoveredRegion, cfg: DiscoveryConfig) -> DiscoverySource:
     if cfg.endpointslices is not None:
-        from gateway.discovery_k8s import EndpointSliceSource
-
         return EndpointSliceSource(region, cfg)
-    from gateway.discovery_dns import DnsSource
-
     return DnsSource(region, cfg)
 
 
 class _RegionWatch:
     """One region's source and the task following it."""
 
-    def __init__(self, gw: Gateway, region: str, cfg: DiscoveryConfig) -> None:
+    def __init__(self, gw: Fleet, region: str, cfg: DiscoveryConfig) -> None:
         self.cfg = cfg
         self.region = DiscoveredRegion(gw, region)
         self.source = make_source(self.region, cfg)
@@ -136,7 +63,7 @@ class Discovery:
     """Every region's discovery, owned by the gateway: started with it, stopped with it, and
     changed with the config on reload."""
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Fleet) -> None:
         self.gw = gw
         self.watches = {
             r.name: _RegionWatch(gw, r.name, r.discover) for r in gw.cfg.regions if r.discover is not None

@@ -15,7 +15,7 @@ import dns.exception
 import dns.resolver
 
 from gateway.config import DiscoveryConfig
-from gateway.discovery import DiscoveredRegion, DiscoverySource, Endpoint
+from gateway.discovery_source import DiscoveredRegion, DiscoverySource, Endpoint
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from urllib.parse import quote
 import aiohttp
 
 from gateway.config import SERVICE_ACCOUNT_DIR, DiscoveryConfig
-from gateway.discovery import DiscoveredRegion, DiscoverySource, Endpoint
+from gateway.discovery_source import DiscoveredRegion, DiscoverySource, Endpoint
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"

@@ -18,8 +18,9 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from gateway.core import Gateway
 from gateway.dispatch import check_version
 from gateway.errors import BadRequest, GatewayError, Overloaded, UpstreamUnavailable
 from gateway.infer_body import OFF_LOOP_BYTES, check_triton_json, inflate_async, inflate_cap
@@ -27,9 +28,6 @@ from gateway.request_id import checked_request_id, is_valid_request_id, new_requ
 from gateway.upstream import UpstreamServer
 from gateway.upstream_http import HttpResponse
 from gateway.upstream_stream import StreamedResponse, open_stream
-
-if TYPE_CHECKING:
-    from gateway.http_front import HttpFront
 
 logger = logging.getLogger(__name__)
 _MAX_ERROR_BODY = 64 * 1024  # an error answer read whole before the client's stream begins
@@ -64,8 +62,27 @@ def sse_error(message: str) -> bytes:
     return b"data: " + json.dumps({"error": message}).encode() + b"\n\n"
 
 
+class HttpFrontParts(Protocol):
+    """What generate shares with the infer path of gateway/http_front.py (a protocol rather than
+    the class: that module imports this one)."""
+
+    gw: Gateway
+    region_header: bytes
+    timeout_header: bytes
+    max_bytes: int
+    inflate_ratio: float
+
+    async def _read_body(self, receive: Any, caller: str, held: list[int]) -> bytes: ...
+
+    async def _respond(self, send: Any, resp: HttpResponse, extra: list[tuple[bytes, bytes]]) -> None: ...
+
+    async def _error(
+        self, send: Any, exc: BaseException, extra: list[tuple[bytes, bytes]], request_id: str
+    ) -> int: ...
+
+
 class GenerateFront:
-    def __init__(self, front: HttpFront) -> None:
+    def __init__(self, front: HttpFrontParts) -> None:
         self.front = front
         self.gw = front.gw
         self.idle_s = self.gw.cfg.limits.stream_idle_timeout_s

@@ -373,8 +373,8 @@ def test_endpointslice_watch_relists_after_410_and_refuses_a_wrong_token(
 
 def test_usable_endpoints_follow_endpoint_conditions() -> None:
     """Ready (or unset) and not terminating are used; terminating-but-serving only when nothing is ready."""
-    from gateway.discovery import Endpoint
     from gateway.discovery_k8s import usable_endpoints
+    from gateway.discovery_source import Endpoint
 
     ports = [{"name": "http", "port": 9000}, {"name": "grpc", "port": 9001}]
     slices = {
