@@ -172,10 +172,12 @@ class Gateway:
         await asyncio.sleep(self.cfg.drain.grace_s)
         self.refusing = True
         deadline = self.clock() + self.cfg.drain.timeout_s
-        while self.inflight and self.clock() < deadline:
+        while (self.inflight or self.streams.open) and self.clock() < deadline:
             await asyncio.sleep(0.01)
-        if self.inflight:
-            logger.warning("drain timeout: %d request(s) still in flight", self.inflight)
+        if self.inflight or self.streams.open:
+            logger.warning(
+                "drain timeout: %d request(s) and %d stream(s) still open", self.inflight, self.streams.open
+            )
         stop_serving()
 
     # -- fleet changes (discovery, config reload) ---------------------------------------------------

@@ -64,6 +64,7 @@ def data_plane_spec(
         max_connections=limits.max_connections,
         max_connections_per_source=limits.max_connections_per_source,
         keep_alive_timeout_s=limits.keep_alive_timeout_s,
+        stream_idle_timeout_s=limits.stream_idle_timeout_s,
         tls_pem=tls_pem(cfg, directory),
         connect_timeout_s=cfg.retries.connect_timeout_s,
         # One HAProxy thread: measured on 2 cores with 2 workers, a second thread cost 40% more CPU

@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -42,7 +43,13 @@ from gateway.errors import (
     UpstreamTimeout,
     grpc_code_for,
 )
-from gateway.grpc_front import SERVICE, _check_echoed_lengths, _check_tensor_counts, _sequence_id
+from gateway.grpc_front import (
+    OFF_LOOP_BYTES,
+    SERVICE,
+    _check_echoed_lengths,
+    _check_tensor_counts,
+    _sequence_id,
+)
 from gateway.haproxy import PEER_HEADER
 from gateway.limits import client_address
 from gateway.request_id import checked_request_id, new_request_id
@@ -99,36 +106,39 @@ class StreamInfer:
             client = _client(context, md)
             principal = gw.auth.authenticate(md.get("authorization"), md.get("x-api-key"))
             await gw.check_rate(principal, client)
-            with self.slots.hold(gw.caller_of(principal, client)):
+            caller = gw.caller_of(principal, client)
+            with self.slots.hold(caller):
                 idle = _Idle(gw.clock())
                 first = await self._next(requests, idle)
                 if first is _END:
                     return  # closed before sending anything: nothing to answer
                 assert isinstance(first, bytes)
-                req = self._checked(first, principal)
+                req = self._check(await _parse(first), principal)
                 model = req.model_name
                 server = self._server(req, md.get(self.region_key))
                 region, server_name = server.region, server.name
-                async for response in self._relay(
-                    server, first, requests, principal, client, md, context, idle
-                ):
-                    yield response
+                # Closed here whatever way the RPC ends, not whenever the generator is collected.
+                relay = self._relay(server, first, requests, principal, client, caller, md, context, idle)
+                async with contextlib.aclosing(relay) as responses:
+                    async for response in responses:
+                        yield response
         except GatewayError as exc:
             status = exc.grpc_code.name
             await context.abort(grpc_code_for(exc), exc.message)
-        except asyncio.CancelledError:
+        except grpc.aio.AbortError:
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
             status = "CANCELLED"
+            raise
+        except BaseException:
+            status = "INTERNAL"
             raise
         finally:
             gw.metrics.request(model, region, server_name, "grpc_stream", status, gw.clock() - started)
 
     # -- one message ----------------------------------------------------------------------------
-    def _checked(self, raw: bytes, principal: Principal | None) -> pb.ModelInferRequest:
+    def _check(self, req: pb.ModelInferRequest, principal: Principal | None) -> pb.ModelInferRequest:
         """The message, checked as a unary ModelInfer is; GatewayError naming what is wrong."""
-        try:
-            req = pb.ModelInferRequest.FromString(raw)
-        except DecodeError as exc:
-            raise BadRequest(f"malformed ModelInferRequest: {exc}") from None
         self.gw.admit_model(principal, req.model_name)
         _check_tensor_counts(req, self.max_tensors)
         _check_echoed_lengths(req)
@@ -170,22 +180,27 @@ class StreamInfer:
         requests: AsyncIterator[bytes],
         principal: Principal | None,
         client: str,
+        caller: str,
         md: dict[str, str],
         context: grpc.aio.ServicerContext,
         idle: _Idle,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         gw = self.gw
+        loop = asyncio.get_running_loop()
         passed_on = tuple((k, v) for k, v in md.items() if gw.forwarded(k))
         request_id = md.get("x-request-id") or new_request_id()
         call = server.streams.open((("x-request-id", request_id), *passed_on), context.time_remaining())
         out: asyncio.Queue[bytes | object] = asyncio.Queue(_PENDING)
-        server.inflight += 1
+        server.open_streams += 1
         server.requests += 1
-        sending = asyncio.get_running_loop().create_task(
-            self._send(call, first, requests, principal, client, out, idle)
-        )
-        sending.add_done_callback(_log_failure)
-        receiving = asyncio.get_running_loop().create_task(self._receive(call, out, idle))
+        tasks = [
+            loop.create_task(self._send(call, first, requests, principal, client, caller, out, idle)),
+            loop.create_task(self._receive(call, out, idle)),
+        ]
+        # A client that stops reading blocks the `yield` below, where no timer runs: this one ends
+        # the stream (and frees everything it holds) once nothing has moved for the idle bound.
+        writing = [False]
+        tasks.append(loop.create_task(self._watch(idle, writing, asyncio.current_task())))
         try:
             # Where the stream went, before its first response (a unary call says so in trailers).
             await context.send_initial_metadata(
@@ -195,8 +210,12 @@ class StreamInfer:
                 item = await self._taken(out, idle)
                 if item is _END:
                     break
+                if isinstance(item, _Failed):
+                    raise item.error
                 assert isinstance(item, bytes)
+                writing[0] = True
                 yield item
+                writing[0] = False
                 idle.at = gw.clock()
             code = await call.code()
             if code != grpc.StatusCode.OK:
@@ -207,13 +226,20 @@ class StreamInfer:
                 raise UpstreamRejected(details, grpc_code=code)
             gw.detector.success(server)
         finally:
-            server.inflight -= 1
+            server.open_streams -= 1
             call.cancel()  # a no-op once it ended; otherwise the client went away or failed
-            for task in (sending, receiving):
+            for task in tasks:
                 task.cancel()
-            for task in (sending, receiving):
-                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                    await task
+            # Waited for without raising their errors, and without swallowing this task's own cancel.
+            await asyncio.wait(tasks)
+
+    async def _watch(self, idle: _Idle, writing: list[bool], handler: asyncio.Task[Any] | None) -> None:
+        while True:
+            await asyncio.sleep(max(idle.at + self.idle_s - self.gw.clock(), 0.01))
+            if writing[0] and self.gw.clock() - idle.at >= self.idle_s and handler is not None:
+                logger.info("stream: the client read nothing for %gs; ending it", self.idle_s)
+                handler.cancel()
+                return
 
     async def _taken(self, out: asyncio.Queue[bytes | object], idle: _Idle) -> object:
         """The next response, or the end; DEADLINE_EXCEEDED when nothing moved for the idle bound
@@ -232,23 +258,43 @@ class StreamInfer:
         requests: AsyncIterator[bytes],
         principal: Principal | None,
         client: str,
+        caller: str,
         out: asyncio.Queue[bytes | object],
         idle: _Idle,
     ) -> None:
-        """The client's messages on to Triton as they come, each checked; refused ones answered here."""
+        """The client's messages on to Triton as they come, each checked (the rate first, then the
+        message, parsed off the loop when large) and counted against its caller until written;
+        refused ones answered here, in the stream."""
         gw = self.gw
-        await call.write(first)
-        async for raw in requests:
-            idle.at = gw.clock()
-            try:
-                req = self._checked(raw, principal)
-                await gw.check_rate(principal, client)
-            except GatewayError as exc:
-                await out.put(_error_response(raw, exc.message))
-                continue
-            del req
+        try:
+            await self._write(call, first, caller)
+            async for raw in requests:
+                idle.at = gw.clock()
+                req: pb.ModelInferRequest | None = None
+                try:
+                    await gw.check_rate(principal, client)
+                    req = self._check(await _parse(raw), principal)
+                except GatewayError as exc:
+                    await out.put(_error_response(req, exc.message))
+                    continue
+                await self._write(call, raw, caller)
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # Triton ended the stream: its status is reported from the call
+        except Exception as exc:  # never a silent stall: the stream ends, named, and the log says why
+            logger.exception("stream: forwarding the client's messages failed")
+            call.cancel()
+            await out.put(
+                _Failed(GatewayError(f"the gateway failed forwarding this stream: {type(exc).__name__}"))
+            )
+
+    async def _write(self, call: grpc.aio.StreamStreamCall, raw: bytes, caller: str) -> None:
+        budget = self.gw.bodies
+        budget.reserve(caller, len(raw))
+        try:
             await call.write(raw)
-        await call.done_writing()
+        finally:
+            budget.release(caller, len(raw))
 
     async def _receive(
         self, call: grpc.aio.StreamStreamCall, out: asyncio.Queue[bytes | object], idle: _Idle
@@ -266,12 +312,23 @@ class StreamInfer:
         await out.put(_END)
 
 
-def _log_failure(task: asyncio.Task[None]) -> None:
-    # Writes after Triton ended the stream fail; the end is reported from the call's status.
-    if not task.cancelled() and task.exception() is not None:
-        exc = task.exception()
-        if not isinstance(exc, (grpc.aio.AioRpcError, asyncio.InvalidStateError)):
-            logger.error("stream: forwarding the client's messages failed", exc_info=exc)
+class _Failed:
+    """Put in a stream's queue when forwarding failed: the relay raises `error`."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: GatewayError) -> None:
+        self.error = error
+
+
+async def _parse(raw: bytes) -> pb.ModelInferRequest:
+    """A stream message, parsed off the loop when large (as unary ModelInfer is); BadRequest if malformed."""
+    try:
+        if len(raw) > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(pb.ModelInferRequest.FromString, raw)
+        return pb.ModelInferRequest.FromString(raw)
+    except DecodeError as exc:
+        raise BadRequest(f"malformed ModelInferRequest: {exc}") from None
 
 
 def _client(context: grpc.aio.ServicerContext, md: dict[str, str]) -> str:
@@ -283,11 +340,12 @@ def _client(context: grpc.aio.ServicerContext, md: dict[str, str]) -> str:
     return client_address(peer)
 
 
-def _error_response(raw: bytes, message: str) -> bytes:
-    """An in-stream error, as Triton answers a failed request on a stream (the id when readable)."""
-    try:
-        sent = pb.ModelInferRequest.FromString(raw)
-        echo = pb.ModelInferResponse(id=sent.id, model_name=sent.model_name, model_version=sent.model_version)
-    except DecodeError:
-        echo = pb.ModelInferResponse()
+def _error_response(sent: pb.ModelInferRequest | None, message: str) -> bytes:
+    """An in-stream error, as Triton answers a failed request on a stream (echoing the request's
+    id when it was read)."""
+    echo = (
+        pb.ModelInferResponse(id=sent.id, model_name=sent.model_name, model_version=sent.model_version)
+        if sent is not None
+        else pb.ModelInferResponse()
+    )
     return pb.ModelStreamInferResponse(error_message=message, infer_response=echo).SerializeToString()

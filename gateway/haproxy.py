@@ -74,6 +74,7 @@ class DataPlaneSpec:
     max_connections_per_source: int = 0  # 0: any number
     keep_alive_timeout_s: float = 75.0
     tls_pem: Path | None = None  # certificate and key in one file: TLS on the public gRPC port
+    stream_idle_timeout_s: float = 120.0  # the workers end idle streams; HAProxy waits longer
 
 
 def _tls(pem: Path | None) -> str:
@@ -126,6 +127,9 @@ frontend grpc_in
   # Clients' idle connections (no open stream) close after limits.keep_alive_timeout_s; the
   # workers' own relay connections (grpc_out) keep the default.
   timeout http-keep-alive {spec.keep_alive_timeout_s:g}s
+  # A stream's client may be silent while its answers flow: the workers bound idle streams by
+  # name (limits.stream_idle_timeout_s); HAProxy's own cut comes only after theirs.
+  timeout client {max(300.0, spec.stream_idle_timeout_s + 30):g}s
 {_per_source(spec.max_connections_per_source)}  http-request set-header {PEER_HEADER} %[src]
   http-request del-header {TARGET_IP_HEADER}
   http-request del-header {TARGET_PORT_HEADER}
@@ -135,6 +139,9 @@ frontend grpc_in
 
 backend streams
   balance leastconn
+  # One client's streams never share a worker connection with another's (a stalled reader would
+  # hold the shared connection's window).
+  http-reuse never
   # A stream lives as long as its client keeps it (each worker bounds idle ones itself).
   timeout server 24h
   retries 3

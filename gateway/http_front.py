@@ -37,6 +37,7 @@ from gateway.errors import (
     UpstreamRejected,
     http_status_for,
 )
+from gateway.forward_headers import checked_forward_header
 from gateway.http_generate import GenerateFront, parse_generate_path
 from gateway.infer_body import (
     OFF_LOOP_BYTES,
@@ -68,22 +69,6 @@ _FORWARD = {
     b"x-request-id",
 }
 _RETURN = {b"content-type", b"inference-header-content-length", b"content-encoding"}
-# Forwarded headers Triton must be able to read: bounded, printable ASCII, each sent once. Anything
-# else would make Triton drop the connection, which the gateway would count against the server.
-_MAX_FORWARDED_HEADER = 256
-_FORWARDED_NAMES = {b"content-type": "Content-Type", b"accept-encoding": "Accept-Encoding"}
-
-
-def checked_forward_header(name: bytes, value: bytes) -> bytes:
-    """`value`, or BadRequest naming the header when Triton could not read it."""
-    shown = _FORWARDED_NAMES.get(name, name.decode("latin-1"))
-    if len(value) > _MAX_FORWARDED_HEADER:
-        raise BadRequest(
-            f"{shown} header of {len(value)} bytes is longer than {_MAX_FORWARDED_HEADER}; send a standard value"
-        )
-    if not all(0x20 <= c < 0x7F for c in value):
-        raise BadRequest(f"{shown} header must be printable ASCII, got {value[:40]!r}")
-    return value
 
 
 def error_body(message: str) -> bytes:

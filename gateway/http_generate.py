@@ -15,14 +15,14 @@ limits.stream_idle_timeout_s, ends the client's stream with an error event in Tr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from typing import Any, Protocol
 
 from gateway.core import Gateway
 from gateway.dispatch import check_version
-from gateway.errors import BadRequest, GatewayError, Overloaded, UpstreamUnavailable
+from gateway.errors import BadRequest, GatewayError, Overloaded, UpstreamTimeout, UpstreamUnavailable
+from gateway.forward_headers import checked_forward_header
 from gateway.infer_body import OFF_LOOP_BYTES, check_triton_json, inflate_async, inflate_cap
 from gateway.request_id import checked_request_id, is_valid_request_id, new_request_id
 from gateway.upstream import UpstreamServer
@@ -94,9 +94,11 @@ class GenerateFront:
         started = gw.clock()
         sent: dict[bytes, str] = {}
         forward: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
+        request_ids = 0
         for k, v in scope["headers"]:
             if k in (b"authorization", b"x-api-key", b"x-request-id", b"content-encoding"):
                 sent[k] = v.decode("latin-1")
+                request_ids += k == b"x-request-id"
             elif k == self.front.region_header:
                 sent[b"pin"] = v.decode("latin-1")
             elif k == self.front.timeout_header:
@@ -112,7 +114,10 @@ class GenerateFront:
         held = [0]
         try:
             version = check_version(version)
+            if request_ids > 1:
+                raise BadRequest(f"send one x-request-id header, got {request_ids}")
             checked_request_id(sent.get(b"x-request-id"))
+            forward = [(k, checked_forward_header(k, v)) for k, v in forward]
             if gw.refusing:
                 raise Overloaded("gateway is shutting down; retry on another replica")
             client = (scope.get("client") or ("",))[0]
@@ -126,7 +131,7 @@ class GenerateFront:
                 with gw.streams.hold(caller):
                     body = await self._body(receive, caller, held, sent.get(b"content-encoding"))
                     status = await self._stream(
-                        receive, send, model, version, sent, path, body, forward, extra, where
+                        receive, send, model, version, sent, path, body, forward, extra, where, caller, held
                     )
             else:
                 body = await self._body(receive, caller, held, sent.get(b"content-encoding"))
@@ -200,6 +205,8 @@ class GenerateFront:
         forward: list[tuple[bytes, bytes]],
         extra: list[tuple[bytes, bytes]],
         where: list[str],
+        caller: str,
+        held: list[int],
     ) -> str:
         gw = self.gw
         # The deadline bounds the wait for Triton's answer to begin; once events flow the stream
@@ -208,17 +215,28 @@ class GenerateFront:
         opened: list[StreamedResponse] = []
 
         async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
-            stream = await open_stream(server.http, path, body, forward)
-            opened.append(stream)
-            head = await stream.head(timeout_s)
-            if head.status != 200:
-                return _as_client_error(
-                    HttpResponse(head.status, head.headers, await stream.rest(_MAX_ERROR_BODY))
-                )
-            return head
+            # One bound for the whole attempt: the head, and an error answer's body after it.
+            async with asyncio.timeout(timeout_s):
+                stream = await open_stream(server.http, path, body, forward)
+                opened.append(stream)
+                head = await stream.head(timeout_s)
+                if head.status != 200:
+                    return _as_client_error(
+                        HttpResponse(head.status, head.headers, await stream.rest(_MAX_ERROR_BODY))
+                    )
+                return head
 
         try:
-            outcome = await gw.send(model, version, sent.get(b"pin"), deadline, attempt, hedge=False)
+            try:
+                outcome = await gw.send(model, version, sent.get(b"pin"), deadline, attempt, hedge=False)
+            except TimeoutError:
+                raise UpstreamTimeout(
+                    f"no answer from Triton within the request's deadline for {model!r}"
+                ) from None
+            # Triton has the request: its bytes no longer count against the caller for the
+            # stream's life (minutes, for a long generation).
+            gw.bodies.release(caller, held[0])
+            held[0] = 0
             head, server = outcome.value, outcome.route.server
             where[:] = [outcome.route.region, server.name]
             if head.status != 200:
@@ -234,7 +252,7 @@ class GenerateFront:
                     "headers": [*headers, *extra, *_route_headers(server)],
                 }
             )
-            server.inflight += 1
+            server.open_streams += 1
             relay = asyncio.ensure_future(self._relay(opened[-1], send, server))
             gone = asyncio.ensure_future(_disconnected(receive))
             try:
@@ -243,11 +261,11 @@ class GenerateFront:
                     return relay.result()
                 return "499"  # the client went away: closing Triton's connection stops the generation
             finally:
-                server.inflight -= 1
+                server.open_streams -= 1
                 for task in (relay, gone):
                     task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                # Waited for without raising their errors, and without swallowing this task's own cancel.
+                await asyncio.wait({relay, gone})
         finally:
             for stream in opened:
                 stream.close()
@@ -273,7 +291,13 @@ class GenerateFront:
             if data is None:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return status
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+            try:
+                # A client that stops reading holds its send here: bounded like an idle stream.
+                await asyncio.wait_for(
+                    send({"type": "http.response.body", "body": data, "more_body": True}), self.idle_s
+                )
+            except asyncio.TimeoutError:
+                return "408"
 
 
 async def _disconnected(receive: Any) -> None:

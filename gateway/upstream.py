@@ -85,6 +85,9 @@ class UpstreamServer:
         self.latency = LatencyStats(decay_s)
         self.probe_rtt = LatencyStats(decay_s * 5)
         self.inflight = 0
+        # Streams held open on this server: shown, never counted as load (an idle stream held by a
+        # client would otherwise mark the server saturated for everyone's requests).
+        self.open_streams = 0
         self.healthy = False  # until the first probe says ready
         self.last_probe_error = "not probed yet"
         self.ready_models: dict[str, set[str]] = {}
@@ -147,6 +150,7 @@ class UpstreamServer:
             "ejected_for_s": round(max(0.0, self.ejected_until - now), 3),
             "available": self.available(now),
             "inflight": self.inflight,
+            "open_streams": self.open_streams,
             "ewma_latency_ms": round(self.latency.mean * 1000, 3),
             "p95_latency_ms": round(self.latency.p95() * 1000, 3),
             "latency_samples": self.latency.samples,

@@ -141,6 +141,10 @@ async def open_stream(
         head += [k, b": ", v, b"\r\n"]
     head.append(b"\r\n")
     assert stream.transport is not None
-    stream.transport.write(b"".join(head))
-    stream.transport.write(body)
+    try:
+        stream.transport.write(b"".join(head))
+        stream.transport.write(body)
+    except (OSError, RuntimeError) as exc:  # the server reset the connection as it was opened
+        stream.close()
+        raise UpstreamUnavailable(f"{pool.address}: the connection failed while sending ({exc})") from exc
     return stream

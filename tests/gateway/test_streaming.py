@@ -38,6 +38,7 @@ from tests.gateway.protocol_models import protocol_repo
 pytestmark = pytest.mark.slow
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 KEY, NARROW = "sk-stream-test-key-0123456789", "sk-stream-narrow-key-0123456789"
+LLM = "sk-stream-llm-key-0123456789"  # the kill test's HTTP streams: slots of their own
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,7 @@ def _keyed(fleet: dict[str, list[TritonServer]], **overrides: Any) -> dict[str, 
     keys = [
         {"name": "full", "sha256": hash_key(KEY)},
         {"name": "narrow", "sha256": hash_key(NARROW), "models": ["repeat_int32"]},
+        {"name": "llm", "sha256": hash_key(LLM), "models": ["mock_llm"]},
     ]
     return gateway_config(fleet, cache={"backend": "none"}, auth={"keys": keys}, **overrides)
 
@@ -314,11 +316,13 @@ def test_streams_are_bounded_per_caller_and_checked_per_message(gw, tmp_path: Pa
 
     _run(main())
     # Nothing left counted against the servers once the streams ended (the cancelled one included).
-    wait_until(lambda: all(s["inflight"] == 0 for s in gw.admin()["servers"]), timeout=30)
+    wait_until(
+        lambda: all(s["inflight"] == s["open_streams"] == 0 for s in gw.admin()["servers"]), timeout=30
+    )
 
 
 def _open_stream_count(gw: GatewayUnderTest) -> int:
-    return sum(s["inflight"] for s in gw.admin()["servers"])
+    return sum(s["open_streams"] for s in gw.admin()["servers"])
 
 
 async def _until(condition: Any, limit_s: float = 30) -> None:
@@ -340,10 +344,40 @@ def test_a_stream_idle_both_ways_ends_by_name(proto_fleet, make_gateway) -> None
 
 
 # -- last: it kills one of the module's servers ----------------------------------------------------------------
-def test_a_killed_server_ends_only_its_own_streams_and_they_end_unavailable(proto_fleet, gw) -> None:
-    """A sequence stream held open on each server (a sequence's correlation id picks its server);
-    one server is killed: its stream ends UNAVAILABLE at once (never a hang), the other goes on."""
+def _held_generation(gw: GatewayUnderTest, release: Path) -> tuple[http.client.HTTPConnection, Any, str]:
+    """A generate_stream whose first event has arrived and whose next waits for `release`."""
+    conn = http.client.HTTPConnection(gw.http, timeout=60)
+    body = {"text_input": "alpha beta", "stream": True, "release": str(release)}
+    conn.request(
+        "POST", "/v2/models/mock_llm/generate_stream", json.dumps(body), {"authorization": f"Bearer {LLM}"}
+    )
+    resp = conn.getresponse()
+    assert resp.status == 200 and b"alpha" in resp.readline() + resp.readline()
+    return conn, resp, resp.getheader("x-skewserve-server", "")
+
+
+def test_a_killed_server_ends_only_its_own_streams_and_they_end_unavailable(
+    proto_fleet, make_gateway, tmp_path: Path
+) -> None:
+    """A sequence stream and a generate_stream held open on each server (a sequence's correlation id
+    picks its server; generations are opened until the balancer has put one on each); one server is
+    killed: its streams end at once (gRPC UNAVAILABLE naming it, SSE an error event), never a hang;
+    the other server's streams go on whole."""
     by_name = {s.spec.name: s for s in proto_fleet["us-east"]}
+    # Round robin: generations alternate between the servers (P2C-EWMA would pick by latency).
+    gw = make_gateway(_keyed(proto_fleet, balancing={"policy": "round_robin"}))
+    release = tmp_path / "release"
+    generations: dict[str, tuple[http.client.HTTPConnection, Any]] = {}
+    for _ in range(12):
+        conn, resp, server = _held_generation(gw, release)
+        if server in generations:  # this server holds one already: let this one go
+            conn.close()
+            wait_until(lambda: _open_stream_count(gw) == len(generations), timeout=30)
+            continue
+        generations[server] = (conn, resp)
+        if len(generations) == len(by_name):
+            break
+    assert set(generations) == set(by_name), f"12 generations all went to {set(generations)}"
 
     async def main() -> None:
         async with grpc.aio.insecure_channel(gw.grpc) as channel:
@@ -372,5 +406,13 @@ def test_a_killed_server_ends_only_its_own_streams_and_they_end_unavailable(prot
             assert (await s.read())["OUTPUT"] == [3]  # the survivor's sequence state is whole
             s.close()
             assert await s.read() is None and (await s.status())[0] == grpc.StatusCode.OK
+            # The victim's generation ends with Triton's kind of error event, naming the server.
+            ended = await asyncio.to_thread(generations[victim][1].read)
+            assert b'"error"' in ended and victim.encode() in ended, ended
+            release.touch()
+            rest = await asyncio.to_thread(generations[survivor][1].read)
+            assert b"beta" in rest and b"error" not in rest, rest
 
     _run(main())
+    for conn, _ in generations.values():
+        conn.close()
