@@ -14,8 +14,6 @@ leaving sum over the global batch / global_batch whatever the split.
 from __future__ import annotations
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from training.sampler import largest_remainder
 
@@ -60,18 +58,6 @@ class RankSpeedBalancer:
         target /= target.sum()
         self._shares = self.smoothing * target + (1 - self.smoothing) * self._shares
         self._shares /= self._shares.sum()
-
-    def gather_and_observe(self, local_busy_s: float) -> np.ndarray:
-        """All-gather every rank's busy time (one tiny collective) and update the shares."""
-        local = torch.tensor([local_busy_s], dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            out = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world_size)]
-            dist.all_gather(out, local)
-            values = torch.cat(out).numpy()
-        else:
-            values = local.numpy()
-        self.observe(values)
-        return values
 
     def state_dict(self) -> dict[str, object]:
         return {"shares": self._shares.tolist()}

@@ -52,7 +52,7 @@ def test_triton_scaled_object_is_well_formed_and_targets_the_triton_statefulset(
     for trigger in so["spec"]["triggers"]:
         assert trigger["type"] == "prometheus" and trigger["metricType"] in ("AverageValue", "Value")
         meta = trigger["metadata"]
-        assert set(meta) == {"serverAddress", "query", "threshold"}
+        assert set(meta) == {"serverAddress", "query", "threshold", "ignoreNullValues"}
         assert meta["serverAddress"].startswith("http") and float(meta["threshold"]) > 0
         assert isinstance(meta["threshold"], str)  # KEDA reads metadata as strings only
 
@@ -104,3 +104,31 @@ def test_gateway_hpa_scales_on_cpu_and_its_own_in_flight_requests_with_windows()
     adapter = yaml.safe_load((K8S / "prometheus-adapter.yaml").read_text())
     served = [r["name"]["as"] for r in adapter["rules"]["custom"]]
     assert "skewserve_gateway_inflight" in served
+
+
+def test_an_empty_query_never_reads_as_zero_and_a_pods_workers_are_summed() -> None:
+    """KEDA's Prometheus triggers treat an empty answer as an error (the count stays), not as 0
+    (which would scale Triton in); the adapter sums a gateway pod's per-worker in-flight gauges."""
+    for trigger in _scaled_object()["spec"]["triggers"]:
+        assert trigger["metadata"].get("ignoreNullValues") == "false", trigger["name"]
+    adapter = yaml.safe_load((K8S / "prometheus-adapter.yaml").read_text())
+    (rule,) = [r for r in adapter["rules"]["custom"] if r["name"]["as"] == "skewserve_gateway_inflight"]
+    assert rule["metricsQuery"].startswith("sum by (<<.GroupBy>>) (")
+
+
+def test_workloads_an_autoscaler_owns_declare_no_replica_count() -> None:
+    """A `replicas` in a scaled workload resets the autoscaler's count at every apply."""
+    kust = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    base = [d for f in kust["resources"] for d in _docs(K8S / "base" / f)]
+    targets = {
+        (d["spec"]["scaleTargetRef"]["kind"], d["spec"]["scaleTargetRef"]["name"])
+        for d in base
+        if d["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")
+    }
+    assert targets == {("StatefulSet", "triton"), ("Deployment", "skewserve-gateway")}
+    overlays = [d for f in sorted((K8S / "overlays").glob("*/*.yaml")) for d in _docs(f) if "kind" in d]
+    for doc in base + overlays:
+        if "metadata" in doc and (doc["kind"], doc["metadata"]["name"]) in targets:
+            assert "replicas" not in doc.get("spec", {}), (
+                f"{doc['kind']}/{doc['metadata']['name']} sets replicas"
+            )

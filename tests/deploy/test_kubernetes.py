@@ -45,7 +45,7 @@ def _by_id(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
 
 
 # Custom resources the Kubernetes schema set lacks: validated structurally in test_autoscaling.py.
-CUSTOM_RESOURCES = {"keda.sh/v1alpha1"}
+CUSTOM_RESOURCES = {"keda.sh/v1alpha1", "monitoring.coreos.com/v1"}
 
 
 def _validate(doc: dict[str, Any]) -> None:
@@ -286,3 +286,34 @@ def test_the_gateway_serves_tls_from_the_certificate_secret() -> None:
     assert service["externalTrafficPolicy"] == "Local"  # per-source bounds see clients, not nodes
     assert {p["name"] for p in service["ports"]} == {"http", "grpc"}  # never the ops port
     assert "create secret tls skewserve-gateway-tls" in (ROOT / "README.md").read_text()
+
+
+def test_pod_monitors_give_the_job_labels_the_alerts_and_compose_use() -> None:
+    """Each PodMonitor names its job from the pods' `app` label, selects pods that exist and scrapes
+    a port they declare; those jobs are the ones the alert rules and compose's scrape config name."""
+    docs = _base_resources()
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    jobs = set()
+    for monitor in (d for d in docs if d["kind"] == "PodMonitor"):
+        spec = monitor["spec"]
+        assert spec["jobLabel"] == "app"
+        wanted = spec["selector"]["matchLabels"]
+        (pods,) = [
+            w for w in workloads if wanted.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        ports = {
+            p["name"] for c in pods["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])
+        }
+        for endpoint in spec["podMetricsEndpoints"]:
+            assert endpoint["port"] in ports, (monitor["metadata"]["name"], endpoint)
+        jobs.add(pods["spec"]["template"]["metadata"]["labels"]["app"])
+    assert jobs == {"triton", "skewserve-gateway"}
+    compose = yaml.safe_load((ROOT / "deploy" / "compose" / "prometheus.yml").read_text())
+    assert {j["job_name"] for j in compose["scrape_configs"]} == jobs
+    import re
+
+    rules = (ROOT / "deploy" / "prometheus" / "rules.yml").read_text()
+    for pattern in re.findall(r'job=~"([^"]+)"', rules):
+        assert any(re.fullmatch(pattern, job) for job in jobs), (
+            f"alert selector job=~{pattern!r} matches no job"
+        )
