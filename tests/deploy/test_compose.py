@@ -89,8 +89,12 @@ def test_triton_runs_the_pinned_image_on_a_reserved_gpu(rendered: dict[str, Any]
 def test_repository_location_can_be_object_storage() -> None:
     res = _compose(["config"], {**SECRETS, "SKEWSERVE_MODEL_REPOSITORY": "s3://models-bucket/prod"})
     assert res.returncode == 0, res.stderr
-    args = yaml.safe_load(res.stdout)["services"]["triton"]["command"]
-    assert "--model-repository=s3://models-bucket/prod" in args
+    triton = yaml.safe_load(res.stdout)["services"]["triton"]
+    assert "--model-repository=s3://models-bucket/prod" in triton["command"]
+    # Temporary credentials work, and models copied from the bucket land on a volume of their own.
+    assert "AWS_SESSION_TOKEN" in triton["environment"]
+    mount = triton["environment"]["TRITON_AWS_MOUNT_DIRECTORY"]
+    assert any(str(v).endswith(":" + mount) or mount in str(v) for v in triton["volumes"]), triton["volumes"]
 
 
 def test_gateway_gets_its_config_and_secrets_and_starts_after_its_dependencies(

@@ -75,7 +75,9 @@ def test_triton_waits_for_loading_before_liveness_and_reads_the_repository_from_
     assert startup["httpGet"]["path"] == "/v2/health/ready"
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # load + warm-up budget
     assert "--model-repository=$(MODEL_REPOSITORY)" in container["args"]
-    assert not container.get("volumeMounts")  # nothing baked in or mounted: object storage
+    # Nothing baked in or mounted but the scratch volume Triton copies loaded models into: the
+    # repository itself is object storage.
+    assert [m["name"] for m in container.get("volumeMounts", [])] == ["triton-models"]
     assert container["envFrom"] == [{"secretRef": {"name": "skewserve-model-store"}}]
     generators = {g["name"]: g for g in _kustomization(K8S / "base")["configMapGenerator"]}
     literals = dict(lit.split("=", 1) for lit in generators["skewserve-triton"]["literals"])
@@ -317,3 +319,14 @@ def test_pod_monitors_give_the_job_labels_the_alerts_and_compose_use() -> None:
         assert any(re.fullmatch(pattern, job) for job in jobs), (
             f"alert selector job=~{pattern!r} matches no job"
         )
+
+
+def test_triton_copies_models_from_the_bucket_onto_a_sized_volume() -> None:
+    (triton,) = [d for d in _base_resources() if d["kind"] == "StatefulSet"]
+    pod = triton["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volume = mounts[env["TRITON_AWS_MOUNT_DIRECTORY"]]
+    (spec,) = [v for v in pod["volumes"] if v["name"] == volume]
+    assert spec["emptyDir"]["sizeLimit"]
