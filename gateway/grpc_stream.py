@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
 
 import grpc
 import grpc.aio
@@ -85,20 +84,21 @@ class StreamInfer:
         self.region_key = cfg.routing.region_header.lower()
 
     def handler(self) -> grpc.GenericRpcHandler:
-        # A bound async-generator method: grpc.aio tells async handlers from sync ones by inspection.
         method = grpc.stream_stream_rpc_method_handler(
             self.serve, request_deserializer=None, response_serializer=None
         )
         return grpc.method_handlers_generic_handler(SERVICE, {METHOD: method})
 
-    async def serve(
-        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[bytes]:
+    async def serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        """The handler: responses are written here (`context.write`), in this task, so that a
+        client that stops reading is ended, and everything released, in this task's own code."""
         gw = self.gw
         started = gw.clock()
         md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         status = "OK"
         model = region = server_name = ""
+        caller = ""
+        held = [0]  # bytes of the first message counted against its caller until written
         try:
             checked_request_id(md.get("x-request-id"))
             if gw.refusing:
@@ -113,28 +113,42 @@ class StreamInfer:
                 if first is _END:
                     return  # closed before sending anything: nothing to answer
                 assert isinstance(first, bytes)
+                gw.bodies.reserve(caller, len(first))
+                held[0] = len(first)
                 req = self._check(await _parse(first), principal)
                 model = req.model_name
                 server = self._server(req, md.get(self.region_key))
                 region, server_name = server.region, server.name
-                # Closed here whatever way the RPC ends, not whenever the generator is collected.
-                relay = self._relay(server, first, requests, principal, client, caller, md, context, idle)
+                relay = self._relay(
+                    server, first, held, requests, principal, client, caller, md, context, idle
+                )
                 async with contextlib.aclosing(relay) as responses:
                     async for response in responses:
-                        yield response
+                        await self._deliver(context, response, idle)
         except GatewayError as exc:
             status = exc.grpc_code.name
             await context.abort(grpc_code_for(exc), exc.message)
         except grpc.aio.AbortError:
             raise
-        except (asyncio.CancelledError, GeneratorExit):
+        except asyncio.CancelledError:
             status = "CANCELLED"
             raise
         except BaseException:
             status = "INTERNAL"
             raise
         finally:
+            gw.bodies.release(caller, held[0])
             gw.metrics.request(model, region, server_name, "grpc_stream", status, gw.clock() - started)
+
+    async def _deliver(self, context: grpc.aio.ServicerContext, response: bytes, idle: _Idle) -> None:
+        """One response to the client; a client that reads nothing for the idle bound ends its stream."""
+        try:
+            await asyncio.wait_for(context.write(response), self.idle_s)
+        except asyncio.TimeoutError:
+            raise UpstreamTimeout(
+                f"the client read no response for {self.idle_s:g}s (limits.stream_idle_timeout_s)"
+            ) from None
+        idle.at = self.gw.clock()
 
     # -- one message ----------------------------------------------------------------------------
     def _check(self, req: pb.ModelInferRequest, principal: Principal | None) -> pb.ModelInferRequest:
@@ -177,6 +191,7 @@ class StreamInfer:
         self,
         server: UpstreamServer,
         first: bytes,
+        held: list[int],
         requests: AsyncIterator[bytes],
         principal: Principal | None,
         client: str,
@@ -194,13 +209,9 @@ class StreamInfer:
         server.open_streams += 1
         server.requests += 1
         tasks = [
-            loop.create_task(self._send(call, first, requests, principal, client, caller, out, idle)),
+            loop.create_task(self._send(call, first, held, requests, principal, client, caller, out, idle)),
             loop.create_task(self._receive(call, out, idle)),
         ]
-        # A client that stops reading blocks the `yield` below, where no timer runs: this one ends
-        # the stream (and frees everything it holds) once nothing has moved for the idle bound.
-        writing = [False]
-        tasks.append(loop.create_task(self._watch(idle, writing, asyncio.current_task())))
         try:
             # Where the stream went, before its first response (a unary call says so in trailers).
             await context.send_initial_metadata(
@@ -213,10 +224,7 @@ class StreamInfer:
                 if isinstance(item, _Failed):
                     raise item.error
                 assert isinstance(item, bytes)
-                writing[0] = True
                 yield item
-                writing[0] = False
-                idle.at = gw.clock()
             code = await call.code()
             if code != grpc.StatusCode.OK:
                 details = await call.details() or code.name
@@ -233,14 +241,6 @@ class StreamInfer:
             # Waited for without raising their errors, and without swallowing this task's own cancel.
             await asyncio.wait(tasks)
 
-    async def _watch(self, idle: _Idle, writing: list[bool], handler: asyncio.Task[Any] | None) -> None:
-        while True:
-            await asyncio.sleep(max(idle.at + self.idle_s - self.gw.clock(), 0.01))
-            if writing[0] and self.gw.clock() - idle.at >= self.idle_s and handler is not None:
-                logger.info("stream: the client read nothing for %gs; ending it", self.idle_s)
-                handler.cancel()
-                return
-
     async def _taken(self, out: asyncio.Queue[bytes | object], idle: _Idle) -> object:
         """The next response, or the end; DEADLINE_EXCEEDED when nothing moved for the idle bound
         (a message the client sent moves the bound on while this waits)."""
@@ -255,6 +255,7 @@ class StreamInfer:
         self,
         call: grpc.aio.StreamStreamCall,
         first: bytes,
+        held: list[int],
         requests: AsyncIterator[bytes],
         principal: Principal | None,
         client: str,
@@ -262,22 +263,32 @@ class StreamInfer:
         out: asyncio.Queue[bytes | object],
         idle: _Idle,
     ) -> None:
-        """The client's messages on to Triton as they come, each checked (the rate first, then the
-        message, parsed off the loop when large) and counted against its caller until written;
-        refused ones answered here, in the stream."""
+        """The client's messages on to Triton as they come. Each counts against its caller from
+        its arrival until written; then the rate, then the message (parsed off the loop when
+        large) are checked; a refused one is answered here, in the stream, and the stream goes on."""
         gw = self.gw
+        budget = gw.bodies
         try:
-            await self._write(call, first, caller)
+            await call.write(first)
+            budget.release(caller, held[0])
+            held[0] = 0
             async for raw in requests:
                 idle.at = gw.clock()
                 req: pb.ModelInferRequest | None = None
                 try:
+                    budget.reserve(caller, len(raw))
+                except GatewayError as exc:
+                    await out.put(_error_response(None, exc.message))
+                    continue
+                try:
                     await gw.check_rate(principal, client)
-                    req = self._check(await _parse(raw), principal)
+                    req = await _parse(raw)
+                    self._check(req, principal)
+                    await call.write(raw)
                 except GatewayError as exc:
                     await out.put(_error_response(req, exc.message))
-                    continue
-                await self._write(call, raw, caller)
+                finally:
+                    budget.release(caller, len(raw))
             await call.done_writing()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # Triton ended the stream: its status is reported from the call
@@ -287,14 +298,6 @@ class StreamInfer:
             await out.put(
                 _Failed(GatewayError(f"the gateway failed forwarding this stream: {type(exc).__name__}"))
             )
-
-    async def _write(self, call: grpc.aio.StreamStreamCall, raw: bytes, caller: str) -> None:
-        budget = self.gw.bodies
-        budget.reserve(caller, len(raw))
-        try:
-            await call.write(raw)
-        finally:
-            budget.release(caller, len(raw))
 
     async def _receive(
         self, call: grpc.aio.StreamStreamCall, out: asyncio.Queue[bytes | object], idle: _Idle

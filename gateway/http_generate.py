@@ -129,9 +129,22 @@ class GenerateFront:
             path = bytes(scope["raw_path"])
             if streamed:
                 with gw.streams.hold(caller):
-                    body = await self._body(receive, caller, held, sent.get(b"content-encoding"))
+                    # Held in a list the stream empties once Triton has it (minutes of a long
+                    # generation must not keep the prompt in memory, uncounted).
+                    payload = [await self._body(receive, caller, held, sent.get(b"content-encoding"))]
                     status = await self._stream(
-                        receive, send, model, version, sent, path, body, forward, extra, where, caller, held
+                        receive,
+                        send,
+                        model,
+                        version,
+                        sent,
+                        path,
+                        payload,
+                        forward,
+                        extra,
+                        where,
+                        caller,
+                        held,
                     )
             else:
                 body = await self._body(receive, caller, held, sent.get(b"content-encoding"))
@@ -201,7 +214,7 @@ class GenerateFront:
         version: str,
         sent: dict[bytes, str],
         path: bytes,
-        body: bytes,
+        payload: list[bytes],
         forward: list[tuple[bytes, bytes]],
         extra: list[tuple[bytes, bytes]],
         where: list[str],
@@ -215,26 +228,27 @@ class GenerateFront:
         opened: list[StreamedResponse] = []
 
         async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
-            # One bound for the whole attempt: the head, and an error answer's body after it.
-            async with asyncio.timeout(timeout_s):
-                stream = await open_stream(server.http, path, body, forward)
-                opened.append(stream)
-                head = await stream.head(timeout_s)
-                if head.status != 200:
-                    return _as_client_error(
-                        HttpResponse(head.status, head.headers, await stream.rest(_MAX_ERROR_BODY))
-                    )
-                return head
+            # One bound for the whole attempt: the head, and an error answer's body after it. Its
+            # expiry is the dispatcher's UpstreamTimeout (counted against the server only when the
+            # gateway's own bound, not the client's deadline, ran out; retried elsewhere then).
+            try:
+                async with asyncio.timeout(timeout_s):
+                    stream = await open_stream(server.http, path, payload[0], forward)
+                    opened.append(stream)
+                    head = await stream.head(timeout_s)
+                    if head.status != 200:
+                        return _as_client_error(
+                            HttpResponse(head.status, head.headers, await stream.rest(_MAX_ERROR_BODY))
+                        )
+                    return head
+            except TimeoutError:
+                raise UpstreamTimeout(f"{server.name}: no answer begun within {timeout_s:.3f}s") from None
 
         try:
-            try:
-                outcome = await gw.send(model, version, sent.get(b"pin"), deadline, attempt, hedge=False)
-            except TimeoutError:
-                raise UpstreamTimeout(
-                    f"no answer from Triton within the request's deadline for {model!r}"
-                ) from None
-            # Triton has the request: its bytes no longer count against the caller for the
-            # stream's life (minutes, for a long generation).
+            outcome = await gw.send(model, version, sent.get(b"pin"), deadline, attempt, hedge=False)
+            # Triton has the request: its bytes no longer count against the caller, nor stay in
+            # memory, for the stream's life (minutes, for a long generation).
+            payload.clear()
             gw.bodies.release(caller, held[0])
             held[0] = 0
             head, server = outcome.value, outcome.route.server
@@ -271,33 +285,36 @@ class GenerateFront:
                 stream.close()
 
     async def _relay(self, stream: StreamedResponse, send: Any, server: UpstreamServer) -> str:
-        """Triton's events on to the client as they arrive; an error event at a failure or idle end."""
-        status = "200"
+        """Triton's events on to the client as they arrive; an error event at a failure or idle end.
+        Every send is bounded too: a client that stops reading is let go after the idle bound."""
         while True:
             try:
                 data = await asyncio.wait_for(stream.chunk(), self.idle_s)
             except asyncio.TimeoutError:
-                status = "504"
-                data = sse_error(
+                end = sse_error(
                     f"no event for {self.idle_s:g}s (limits.stream_idle_timeout_s); stream closed"
                 )
-                await send({"type": "http.response.body", "body": data, "more_body": False})
-                return status
+                await self._send(send, end, last=True)
+                return "504"
             except UpstreamUnavailable as exc:
                 self.gw.detector.failure(server, exc.message, self.gw.clock())
-                data = sse_error(f"server {server.name} failed during the stream: {exc.message}")
-                await send({"type": "http.response.body", "body": data, "more_body": False})
+                end = sse_error(f"server {server.name} failed during the stream: {exc.message}")
+                await self._send(send, end, last=True)
                 return "502"
             if data is None:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return status
-            try:
-                # A client that stops reading holds its send here: bounded like an idle stream.
-                await asyncio.wait_for(
-                    send({"type": "http.response.body", "body": data, "more_body": True}), self.idle_s
-                )
-            except asyncio.TimeoutError:
+                return "200" if await self._send(send, b"", last=True) else "408"
+            if not await self._send(send, data, last=False):
                 return "408"
+
+    async def _send(self, send: Any, data: bytes, last: bool) -> bool:
+        """One piece of the response body; False when the client read nothing for the idle bound."""
+        try:
+            await asyncio.wait_for(
+                send({"type": "http.response.body", "body": data, "more_body": not last}), self.idle_s
+            )
+        except asyncio.TimeoutError:
+            return False
+        return True
 
 
 async def _disconnected(receive: Any) -> None:

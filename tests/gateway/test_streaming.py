@@ -316,9 +316,7 @@ def test_streams_are_bounded_per_caller_and_checked_per_message(gw, tmp_path: Pa
 
     _run(main())
     # Nothing left counted against the servers once the streams ended (the cancelled one included).
-    wait_until(
-        lambda: all(s["inflight"] == s["open_streams"] == 0 for s in gw.admin()["servers"]), timeout=30
-    )
+    wait_until(lambda: _nothing_held(gw), timeout=30)
 
 
 def _open_stream_count(gw: GatewayUnderTest) -> int:
@@ -331,16 +329,32 @@ async def _until(condition: Any, limit_s: float = 30) -> None:
             await asyncio.sleep(0.05)
 
 
-def test_a_stream_idle_both_ways_ends_by_name(proto_fleet, make_gateway) -> None:
+def test_a_stream_idle_both_ways_ends_by_name(proto_fleet, make_gateway, tmp_path: Path) -> None:
+    """Idle before any message, and idle after one (the model holds its second response, the
+    client sends nothing): both end DEADLINE_EXCEEDED naming the bound, and leave nothing held."""
     idle = make_gateway(_keyed(proto_fleet, limits={"stream_idle_timeout_s": 0.5}))
+    never = tmp_path / "never"
 
-    async def main() -> tuple[grpc.StatusCode, str]:
+    async def main() -> list[tuple[grpc.StatusCode, str]]:
         async with grpc.aio.insecure_channel(idle.grpc) as channel:
-            s = Stream(channel)  # opened, nothing sent
-            return await s.status()
+            silent = Stream(channel)  # opened, nothing sent
+            ended = [await silent.status()]
+            stalled = Stream(channel)
+            stalled.send(_repeat([1, 2], wait=never))
+            assert (await stalled.read())["OUT"] == [1]  # then nothing moves either way
+            ended.append(await stalled.status())
+            return ended
 
-    code, details = _run(main())
-    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "limits.stream_idle_timeout_s" in details
+    for code, details in _run(main()):
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "limits.stream_idle_timeout_s" in details
+    never.touch()  # the model's thread ends too
+    wait_until(lambda: _nothing_held(idle), timeout=30)
+
+
+def _nothing_held(gw: GatewayUnderTest) -> bool:
+    view = gw.admin()
+    servers_idle = all(s["inflight"] == s["open_streams"] == 0 for s in view["servers"])
+    return servers_idle and view["request_bytes"]["held"] == 0
 
 
 # -- last: it kills one of the module's servers ----------------------------------------------------------------
