@@ -218,7 +218,7 @@ class Gateway:
 
     def remove_server(self, server: UpstreamServer) -> None:
         """No new request is routed to `server` from here on; it is closed once its in-flight
-        requests finished (bounded by drain.timeout_s), so its removal fails none of them."""
+        requests and open streams finished (bounded by drain.timeout_s), so its removal fails none."""
         region = self.router.regions.get(server.region)
         if region is not None and server in region.servers:
             region.servers.remove(server)
@@ -233,11 +233,17 @@ class Gateway:
 
     async def _close_when_idle(self, server: UpstreamServer) -> None:
         try:
+            # Its open streams too: closing the server closes their channel.
             deadline = self.clock() + self.cfg.drain.timeout_s
-            while server.inflight and self.clock() < deadline:
+            while (server.inflight or server.open_streams) and self.clock() < deadline:
                 await asyncio.sleep(0.05)
-            if server.inflight:
-                logger.warning("%s closed with %d request(s) in flight", server.name, server.inflight)
+            if server.inflight or server.open_streams:
+                logger.warning(
+                    "%s closed with %d request(s) and %d stream(s) open",
+                    server.name,
+                    server.inflight,
+                    server.open_streams,
+                )
         finally:
             await server.close()
             self.metrics.server_left(server.region, server.name)  # its labels leave /metrics
