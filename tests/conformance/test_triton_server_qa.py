@@ -162,12 +162,13 @@ GRPC_WITH_HEADERS = {
     "test_grpc_async_parameter",
     "test_grpc_stream_parameter",
 }
-PARAMETER_RUNS = [(mode, "haproxy") for mode in sorted(PARAMETER_MODES)] + [("test_headers", "grpcio")]
+# The grpcio plane too in one mode with headers: there the whitespace reaches the model as sent.
+PLANES = {mode: ("haproxy", "grpcio") if mode == "test_headers" else ("haproxy",) for mode in PARAMETER_MODES}
 
 
-@pytest.mark.parametrize(("mode", "plane"), PARAMETER_RUNS)
+@pytest.mark.parametrize("mode", sorted(PARAMETER_MODES))
 def test_tritons_parameter_and_header_tests_pass_through_the_gateway(
-    parameters_repo: Path, prepared_triton: PreparedTriton, tmp_path: Path, mode: str, plane: str
+    parameters_repo: Path, prepared_triton: PreparedTriton, tmp_path: Path, mode: str
 ) -> None:
     """qa/L0_parameters, one of its four server modes: Triton started with that mode's
     header-forward flags, the gateway forwarding every header (Triton filters by its own flags)."""
@@ -179,30 +180,38 @@ def test_tritons_parameter_and_header_tests_pass_through_the_gateway(
         model_config_name=None,
         extra_args=PARAMETER_MODES[mode],
     )
+    gateways: dict[str, GatewayUnderTest] = {}
     try:
-        cfg = gateway_config(
-            fleet,
-            cache={"backend": "none"},
-            routing={"header_forward_pattern": ".*"},
-            listen={"grpc_data_plane": plane},
-        )
-        gw = launch_gateway(cfg, tmp_path / "gateway_logs")
-        try:
-            triton = fleet["us-east"][0]
-            env = {"TEST_HEADER": mode}
-            direct = run_qa_tests(
-                "parameters_test", triton.http_address, tmp_path / "direct", triton.grpc_address, env
+        for plane in PLANES[mode]:
+            cfg = gateway_config(
+                fleet,
+                cache={"backend": "none"},
+                routing={"header_forward_pattern": ".*"},
+                listen={"grpc_data_plane": plane},
             )
-            via = run_qa_tests("parameters_test", gw.http, tmp_path / "gateway", gw.grpc, env)
-        finally:
-            gw.stop()
+            gateways[plane] = launch_gateway(cfg, tmp_path / f"gateway_{plane}_logs")
+        triton = fleet["us-east"][0]
+        env = {"TEST_HEADER": mode}
+        runs = {"direct": (triton.http_address, triton.grpc_address)}
+        runs.update({plane: (g.http, g.grpc) for plane, g in gateways.items()})
+        # One after another, as qa runs them. (Run at once, the ensemble test failed once on the
+        # HAProxy-plane run while passing directly: noticed, not yet investigated.)
+        results = {
+            name: run_qa_tests("parameters_test", http, tmp_path / name, grpc, env)
+            for name, (http, grpc) in runs.items()
+        }
     finally:
+        for g in gateways.values():
+            g.stop()
         stop_fleet(fleet)
-    failing = set(_compare(f"parameters, {mode}, {plane} plane (HTTP and gRPC)", direct, via))
-    if plane == "haproxy" and mode in ("test_headers", "test_header_forward_pattern_case_insensitive"):
-        assert failing == GRPC_WITH_HEADERS, failing
-        log = (tmp_path / "gateway" / "unittest.log").read_text()
-        assert log.count("AssertionError") == len(GRPC_WITH_HEADERS)
-        assert log.count(TRAILING_SPACE[0]) == log.count(TRAILING_SPACE[1]) == len(GRPC_WITH_HEADERS), log
-    else:
-        assert failing == set()
+    for plane in PLANES[mode]:
+        failing = set(
+            _compare(f"parameters, {mode}, {plane} plane (HTTP and gRPC)", results["direct"], results[plane])
+        )
+        if plane == "haproxy" and mode in ("test_headers", "test_header_forward_pattern_case_insensitive"):
+            assert failing == GRPC_WITH_HEADERS, failing
+            log = (tmp_path / plane / "unittest.log").read_text()
+            assert log.count("AssertionError") == len(GRPC_WITH_HEADERS)
+            assert log.count(TRAILING_SPACE[0]) == log.count(TRAILING_SPACE[1]) == len(GRPC_WITH_HEADERS), log
+        else:
+            assert failing == set(), (plane, failing)
