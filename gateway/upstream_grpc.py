@@ -27,6 +27,19 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.Statu
 _MAX_MESSAGE = 256 * 1024 * 1024
 
 
+def triton_channel(address: str) -> grpc.aio.Channel:
+    """A grpc.aio channel to one Triton (created in the running loop, which it binds to)."""
+    return grpc.aio.insecure_channel(
+        address,
+        options=[
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ("grpc.enable_retries", 0),  # retries are the gateway's decision, not the channel's
+            ("grpc.keepalive_time_ms", 10_000),
+        ],
+    )
+
+
 class GrpcChannel:
     """One channel (HTTP/2 connection) to a Triton gRPC endpoint, with raw unary methods."""
 
@@ -40,15 +53,7 @@ class GrpcChannel:
         m = self._methods.get(name)
         if m is None:
             if self.channel is None:
-                self.channel = grpc.aio.insecure_channel(
-                    self.address,
-                    options=[
-                        ("grpc.max_send_message_length", _MAX_MESSAGE),
-                        ("grpc.max_receive_message_length", _MAX_MESSAGE),
-                        ("grpc.enable_retries", 0),  # retries are the gateway's decision, not the channel's
-                        ("grpc.keepalive_time_ms", 10_000),
-                    ],
-                )
+                self.channel = triton_channel(self.address)
             m = self.channel.unary_unary(SERVICE + name, request_serializer=None, response_deserializer=None)
             self._methods[name] = m
         return m
@@ -83,15 +88,7 @@ class StreamChannel:
 
     def open(self, metadata: Sequence[tuple[str, str]], timeout_s: float | None) -> grpc.aio.StreamStreamCall:
         if self.channel is None:
-            self.channel = grpc.aio.insecure_channel(
-                self.address,
-                options=[
-                    ("grpc.max_send_message_length", _MAX_MESSAGE),
-                    ("grpc.max_receive_message_length", _MAX_MESSAGE),
-                    ("grpc.enable_retries", 0),
-                    ("grpc.keepalive_time_ms", 10_000),
-                ],
-            )
+            self.channel = triton_channel(self.address)
         method = self.channel.stream_stream(
             SERVICE + "ModelStreamInfer", request_serializer=None, response_deserializer=None
         )

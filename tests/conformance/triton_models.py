@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.gateway.protocol_models import python_model_repo
+
 _HEADER = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -148,11 +150,5 @@ MODELS = {
 
 
 def example_repo(dest: Path) -> Path:
-    """A model repository with the models above (config.pbtxt and the local config variant)."""
-    for name, (config, code) in MODELS.items():
-        (dest / name / "1").mkdir(parents=True)
-        (dest / name / "1" / "model.py").write_text(code)
-        (dest / name / "configs").mkdir()
-        for path in (dest / name / "config.pbtxt", dest / name / "configs" / "local.pbtxt"):
-            path.write_text(config)
-    return dest
+    """A model repository with the models above."""
+    return python_model_repo(dest, MODELS)

@@ -175,7 +175,13 @@ MODELS = {
 
 def protocol_repo(dest: Path) -> Path:
     """A model repository with the models above (config.pbtxt and the local config variant)."""
-    for name, (config, code) in MODELS.items():
+    return python_model_repo(dest, MODELS)
+
+
+def python_model_repo(dest: Path, models: dict[str, tuple[str, str]]) -> Path:
+    """Python-backend models (name -> (config, model.py)) written as a repository, each config as
+    config.pbtxt and as the local variant the test Tritons read (configs/local.pbtxt)."""
+    for name, (config, code) in models.items():
         (dest / name / "1").mkdir(parents=True)
         (dest / name / "1" / "model.py").write_text(code)
         (dest / name / "configs").mkdir()
