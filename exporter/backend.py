@@ -44,6 +44,11 @@ def check_backend_change(
     allow_change: bool,
 ) -> str:
     """`check_backend_change_of` for a model folder on disk."""
+    from controller.state_store import DiskStateStore
+
+    store = DiskStateStore(model_dir.parent)
+    state, _ = store.read(model_dir.name)
+    served = (state or store.adopt(model_dir.name)).served
     return check_backend_change_of(
         model_dir.name,
         recorded_backend(model_dir),
@@ -51,6 +56,7 @@ def check_backend_change(
         published,
         allow_change,
         lambda version, filename: (model_dir / str(version) / filename).is_file(),
+        served,
     )
 
 
@@ -61,11 +67,13 @@ def check_backend_change_of(
     published: list[int],
     allow_change: bool,
     has_file: Callable[[int, str], bool],
+    served: list[int] = (),  # type: ignore[assignment]
 ) -> str:
     """The new config's backend, after refusing a change that was not asked for or cannot load.
 
-    `published` are the model's complete versions before this publish; the new version's config
-    keeps `latest { num_versions: N }`, so the newest N-1 of them stay live beside the new one.
+    `published` are the model's complete versions before this publish; those its desired state
+    serves stay live under the new config (publishing never changes what is served), so they must
+    hold the new backend's files.
     """
     cfg = parse(gpu_config_text)
     new = backend_of(cfg)
@@ -77,8 +85,7 @@ def check_backend_change_of(
             f"it to {new} for every version. Export with the model's backend (e.g. --tensorrt off for "
             f"onnxruntime), publish under a new --name, or pass --change-backend"
         )
-    keep = cfg.version_policy.latest.num_versions if cfg.version_policy.HasField("latest") else 1
-    live = published[-(keep - 1) :] if keep > 1 else []
+    live = [v for v in served if v in published]
     need = required_files(cfg)
     missing = {v: sorted(f for f in need if not has_file(v, f)) for v in live}
     missing = {v: files for v, files in missing.items() if files}
@@ -86,7 +93,7 @@ def check_backend_change_of(
         detail = "; ".join(f"version {v} has no {', '.join(files)}" for v, files in missing.items())
         raise PublishError(
             f"cannot switch {name} from {old} to {new}: versions {sorted(missing)} stay live "
-            f"(version policy keeps {keep}) and still need {old} ({detail}). Publish with a config keeping "
-            "one version, or under a new --name"
+            f"(the model's desired state serves them) and still need {old} ({detail}). Publish under a "
+            "new --name"
         )
     return new

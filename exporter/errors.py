@@ -4,7 +4,6 @@ ExportError
  +-- ParityError        the compiled model disagrees with PyTorch; the message has the figures
  +-- PublishError       a version cannot be published (exists, lock, bad repository)
  +-- TensorRTUnavailable  --tensorrt on without a CUDA GPU or the tensorrt package
- +-- RolloutError       a server refused or failed a version; names the server and Triton's reason
 """
 
 
@@ -21,8 +20,4 @@ class PublishError(ExportError):
 
 
 class TensorRTUnavailable(ExportError):
-    pass
-
-
-class RolloutError(ExportError):
     pass

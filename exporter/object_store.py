@@ -9,9 +9,10 @@ guarantees of `exporter.publish` are kept by ordering and by conditional writes 
    claimed (even by a publisher that died) is never reused, so versions stay immutable.
 2. **Upload** the version's files under `<model>/<v>/`, the model card last. A version is complete
    when its card exists: that is the rule our own readers (`published_versions`, rollout) apply.
-3. **Commit** by rewriting the model-level files, `config.pbtxt` last, with the exporter's version
-   policy (`latest { num_versions: N }`) resolved to the newest N *complete* versions
-   (`version_policy { specific { versions: [...] } }`).
+3. **Commit** by adding the version to the model's desired state (`desired_state.json`, a
+   conditional PUT; controller/state_store.py) as published, then rewriting the model-level files,
+   `config.pbtxt` last, with their version policy naming what the state serves
+   (`version_policy { specific { versions: [...] } }`): publishing never changes what is served.
 
 What Triton sees: the NGC image reads `s3://` repositories natively, listing a model's integer
 sub-folders, so a half-uploaded `<model>/<v>/` folder *is* listed; Triton loads only the versions
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from exporter.errors import PublishError
 from exporter.publish import CARD, Published
-from exporter.triton_config import LOCAL_PROFILE, parse, render
+from exporter.triton_config import LOCAL_PROFILE, parse
 
 if TYPE_CHECKING:
     from exporter.pipeline import ExportResult
@@ -216,23 +217,12 @@ def _check_compatible(client: Any, repo: ObjectRepository, name: str, new_local_
         )
 
 
-def pin_complete_versions(config_text: str, complete: list[int]) -> str:
-    """The config with its version policy resolved against complete versions only.
+def _served(client: Any, repo: ObjectRepository, name: str) -> list[int]:
+    from controller.state_store import ObjectStateStore
 
-    The exporter writes `latest { num_versions: N }`; on object storage that would count
-    half-uploaded folders, so it becomes `specific` with the newest N complete versions.
-    """
-    cfg = parse(config_text)
-    policy = cfg.version_policy.WhichOneof("policy_choice")
-    if policy == "all":
-        versions = complete
-    elif policy == "specific":
-        versions = [v for v in cfg.version_policy.specific.versions if v in complete] or complete[-1:]
-    else:
-        keep = cfg.version_policy.latest.num_versions if policy == "latest" else 1
-        versions = complete[-max(keep, 1) :]
-    cfg.version_policy.specific.versions[:] = versions
-    return render(cfg)
+    store = ObjectStateStore(repo.url, client)
+    state, _ = store.read(name)
+    return (state or store.adopt(name)).served
 
 
 def publish_version(
@@ -271,6 +261,7 @@ def publish_version(
             complete,
             allow_backend_change,
             lambda v, filename: repo.key(name, v, filename) in files_of.get(v, set()),
+            _served(client, repo, name),
         )
         model_files = {BACKEND_FILE: backend_file_text(backend), **model_files}
     version = _claim(client, repo, name, version)
@@ -279,16 +270,18 @@ def publish_version(
         client.upload_file(
             str(path), repo.bucket, repo.key(name, version, path.relative_to(staging).as_posix())
         )
-    # Policies resolve against complete versions listed now, so a slower publisher of an older
-    # number never moves the config back.
-    complete = published_versions(repo, name, client)
+    # The version joins the desired state as published (controller/desired_state.py); the configs
+    # name what the state serves, so publishing never changes what servers load.
+    from controller.state_store import ObjectStateStore, pin_versions
+
+    served = ObjectStateStore(repo.url, client).update(name, lambda state: state.published(version)).served
     ordered = sorted(
         model_files, key=lambda rel: MODEL_FILE_ORDER.index(rel) if rel in MODEL_FILE_ORDER else -1
     )
     for rel in ordered:
         text = model_files[rel]
         if rel.endswith(".pbtxt"):
-            text = pin_complete_versions(text, complete)
+            text = pin_versions(text, served)
         client.put_object(Bucket=repo.bucket, Key=repo.key(name, rel), Body=text.encode())
     logger.info("published %s version %d to %s", name, version, repo.url)
     return Published(name, version, Path(repo.key(name, version)))

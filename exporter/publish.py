@@ -195,6 +195,7 @@ def publish_version(
                 f"{model_dir.name} version {version} already exists; versions are immutable: omit --version to take {max(taken) + 1}"
             )
         _clean_stale_model_files(model_dir, list(model_files))
+        model_files = _pinned_to_served(model_dir, model_files, version)
         # Model-level files first: Triton reads them when it loads the new version folder.
         for rel, text in model_files.items():
             _atomic_write(model_dir / rel, text)
@@ -202,5 +203,25 @@ def publish_version(
         target = model_dir / str(version)
         os.rename(staging, target)
         _fsync_dir(model_dir)
+    from controller.state_store import DiskStateStore
+
+    # The version joins the model's desired state as published: what servers serve does not change.
+    DiskStateStore(model_dir.parent).update(model_dir.name, lambda state: state.published(version))
     logger.info("published %s version %d", model_dir.name, version)
     return Published(model_dir.name, version, target)
+
+
+def _pinned_to_served(model_dir: Path, model_files: dict[str, str], version: int) -> dict[str, str]:
+    """Configs pinned to what the model serves once `version` is published: the promoted versions,
+    or `version` itself when it is the model's first (controller/desired_state.py)."""
+    from controller.state_store import DiskStateStore, pin_versions
+
+    store = DiskStateStore(model_dir.parent)
+    state, _ = store.read(model_dir.name)
+    if state is None:
+        state = store.adopt(model_dir.name)
+    served = state.published(version).served
+    return {
+        rel: pin_versions(text, served) if rel.endswith(".pbtxt") else text
+        for rel, text in model_files.items()
+    }

@@ -314,7 +314,7 @@ class Gateway:
         return f"key:{principal.name}" if principal is not None else f"client:{client_key(client)}"
 
     def model_label(self, model: str) -> str:
-        """`model` as a metric label: itself when a server's repository index has it and this request
+        """`model` as a metric label: itself when a server has reported it loaded and this request
         was admitted to it; otherwise OTHER_MODEL, so invented names cannot grow /metrics."""
         if _ADMITTED.get() == model and any(model in s.known_models for s in self.servers):
             return model

@@ -1,8 +1,12 @@
 """Active health probes and passive outlier ejection.
 
 Active: every interval each server is asked whether it is ready and which model versions are
-ready (Triton's repository index), over gRPC or HTTP. A draining server (not ready) or one whose
-model was unloaded gets no new requests for it. Passive: consecutive failures or timeouts on real
+ready, over gRPC or HTTP. The versions come from Triton's statistics API, which answers from the
+server's memory: the repository index would list the repository (on `s3://`, the bucket, once more
+per model) every second per worker, and it is closed to all but the controller
+(`--http-restricted-api=model-repository:...`). A draining server (not ready) or one where a model is
+not (yet) loaded gets no requests for that model; servers run with `--strict-readiness=false`, so a
+version loading on a server does not take its other models out of rotation. Passive: consecutive failures or timeouts on real
 traffic eject a server for base x 2^(ejections-1) seconds (capped), after which it is re-admitted;
 a success resets the failure count, and a clean probe after re-admission forgives past ejections.
 What counts as a failure is decided by the dispatcher (never a client's own deadline). At most
@@ -69,6 +73,27 @@ class OutlierDetector:
             self.on_eject(server, reason)
 
 
+_PARSE_ON_LOOP_BYTES = 64 * 1024  # larger answers (hundreds of models) are parsed off the event loop
+
+
+def _grpc_loaded(raw: bytes) -> list[tuple[str, str]]:
+    return [(m.name, m.version) for m in service_pb2.ModelStatisticsResponse.FromString(raw).model_stats]
+
+
+def _http_loaded(body: bytes) -> list[tuple[str, str]]:
+    return [
+        (str(m.get("name", "")), str(m.get("version", ""))) for m in json.loads(body).get("model_stats", [])
+    ]
+
+
+async def _off_loop_if_large(
+    body: bytes, parse: Callable[[bytes], list[tuple[str, str]]]
+) -> list[tuple[str, str]]:
+    if len(body) > _PARSE_ON_LOOP_BYTES:
+        return await asyncio.to_thread(parse, body)
+    return parse(body)
+
+
 class HealthChecker:
     def __init__(
         self,
@@ -123,30 +148,22 @@ class HealthChecker:
             )
             ready = service_pb2.ServerReadyResponse.FromString(raw).ready
             raw = await server.grpc_call(
-                "RepositoryIndex", service_pb2.RepositoryIndexRequest().SerializeToString(), t
+                "ModelStatistics", service_pb2.ModelStatisticsRequest().SerializeToString(), t
             )
-            index = [
-                (m.name, m.version, m.state)
-                for m in service_pb2.RepositoryIndexResponse.FromString(raw).models
-            ]
+            loaded = await _off_loop_if_large(raw, _grpc_loaded)
         else:
             resp = await server.http_request(b"GET", b"/v2/health/ready", b"", [], t)
             ready = resp.status == 200
-            resp = await server.http_request(
-                b"POST", b"/v2/repository/index", b"{}", [(b"Content-Type", b"application/json")], t
-            )
+            resp = await server.http_request(b"GET", b"/v2/models/stats", b"", [], t)
             if resp.status != 200:
-                raise ValueError(f"repository index answered {resp.status}")
-            index = [
-                (m.get("name", ""), m.get("version", ""), m.get("state", "")) for m in json.loads(resp.body)
-            ]
+                raise ValueError(f"model statistics answered {resp.status}")
+            loaded = await _off_loop_if_large(resp.body, _http_loaded)
         models: dict[str, set[str]] = {}
-        known: set[str] = set()
-        for name, version, state in index:
-            known.add(name)
-            if state == "READY" and version:
+        for name, version in loaded:
+            if version:
                 models.setdefault(name, set()).add(version)
-        return ready, models, known
+        # Known: ever seen loaded here, so a model unloading for a moment is "not ready", not unknown.
+        return ready, models, server.known_models | set(models)
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(s) for s in self.servers))

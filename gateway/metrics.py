@@ -5,7 +5,7 @@ costs more than the increment). Gauges that describe the fleet (in-flight per se
 per region, cache bytes) are computed when Prometheus scrapes, not on every request.
 
 Label values are bounded whatever clients send: a `model` label is the model's name only when some
-server's repository index reports it and the caller was admitted to it (see `Gateway.model_label`);
+server has reported it loaded and the caller was admitted to it (see `Gateway.model_label`);
 every other name folds into `OTHER_MODEL`, so invented names cannot grow /metrics or the child cache.
 Server labels are bounded as the fleet churns (discovered pods come and go with new addresses): the
 gateway reports each server joining and leaving, a departed server's label children are removed, and

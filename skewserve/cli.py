@@ -5,11 +5,13 @@ Heavy imports (torch, onnx, grpc) happen inside each command so `skewserve --hel
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,13 +92,17 @@ def watch_stack(stack: Any) -> None:
 
 
 def loaded_models(stack: Any) -> dict[str, list[str]]:
-    """Models each Triton server of the stack reports READY (its repository index)."""
-    import tritonclient.http as httpclient
+    """Models each Triton server of the stack has loaded (statistics API: the repository API
+    answers only the controller)."""
+    from controller.triton_admin import TritonAdmin
 
     out: dict[str, list[str]] = {}
     for server in stack.fleet.servers:
-        index = httpclient.InferenceServerClient(server.http_address).get_model_repository_index()
-        out[server.spec.name] = sorted({m["name"] for m in index if m.get("state") == "READY"})
+        admin = TritonAdmin(server.spec.name, server.http_address, "", 10.0)
+        try:
+            out[server.spec.name] = sorted(admin.loaded())
+        finally:
+            admin.close()
     return out
 
 
@@ -522,7 +528,13 @@ def export_command(
     change_backend: bool = typer.Option(
         False, "--change-backend", help="Allow this version to change the model's serving backend."
     ),
-    keep_versions: int = typer.Option(2, "--keep-versions", min=1, help="Versions Triton keeps loaded."),
+    keep_versions: int = typer.Option(
+        2,
+        "--keep-versions",
+        min=1,
+        help="Unused since desired state: servers load the promoted version (skewserve rollout); "
+        "old versions are removed by the controller (skewserve controller --keep-versions).",
+    ),
     ort_tensorrt: str = typer.Option(
         "off", "--ort-tensorrt", help="off | fp32 | fp16: onnxruntime's TensorRT accelerator on GPU servers."
     ),
@@ -604,32 +616,91 @@ def export_command(
         )
 
 
+ServersOpt = typer.Option(
+    None, "--servers", help="Comma-separated Triton HTTP URLs (explicit model-control mode)."
+)
+RegionsOpt = typer.Option(None, "--regions", help="Only these regions of --config.")
+ConfigOpt = typer.Option(
+    None,
+    "--config",
+    help="The stack config `skewserve up` runs (its servers and control key are read from the running "
+    "stack's --log-dir), or a gateway config (static servers and discovered regions); every region "
+    "unless --regions.",
+)
+LogDirOpt = typer.Option(
+    Path("runs/stack-logs"), "--log-dir", help="The running stack's --log-dir (with a stack --config)."
+)
+RepoOpt = typer.Option(
+    None,
+    "--repo",
+    help="The model repository: folder or s3://... (default: the stack config's repository, else "
+    "model_repository)",
+)
+
+
+@contextlib.contextmanager
+def control_targets(
+    servers: str | None, regions: str | None, config: Path | None, log_dir: Path, repo: str | None
+) -> Iterator[tuple[Any, Any, str]]:
+    """(state store, servers callable, control key) for the control commands; discovery runs while
+    the block does, so servers that appear mid-rollout are found."""
+    from controller.fleet import ControlledServer
+    from controller.rollout import static_servers
+    from controller.runner import ControllerThread
+    from controller.state_store import open_store
+
+    urls = [u.strip() for u in (servers or "").split(",") if u.strip()]
+    if regions and config is None:
+        raise typer.BadParameter(
+            "--regions needs --config (the stack or gateway config naming the servers)",
+            param_hint="--regions",
+        )
+    key = os.environ.get("SKEWSERVE_CONTROL_KEY", "")
+    thread = None
+    found: Any = static_servers(urls)
+    if config is not None:
+        try:
+            gw, stack_repo, stack_key = rollout_targets(config, log_dir)
+        except ValueError as exc:
+            error(exc, label="failed")
+            raise typer.Exit(2) from exc
+        names = {r.name for r in gw.regions}
+        wanted = {r.strip() for r in regions.split(",") if r.strip()} if regions else names
+        unknown = wanted - names
+        if unknown:
+            raise typer.BadParameter(f"regions {sorted(unknown)} are not in {config}", param_hint="--regions")
+        repo = repo or stack_repo
+        key = key or stack_key
+        thread = ControllerThread(
+            gw, open_store(repo or "model_repository"), key, regions=wanted, reconcile=False
+        )
+        thread.start()
+        static = static_servers(urls)
+
+        def found() -> list[ControlledServer]:
+            return static() + thread.servers()
+
+    elif not urls:
+        raise typer.BadParameter(
+            "give --servers URL,... or --config (with --regions)", param_hint="--servers"
+        )
+    try:
+        yield open_store(repo or "model_repository"), found, key
+    finally:
+        if thread is not None:
+            thread.stop()
+
+
 @app.command("rollout")
 def rollout_command(
     name: str = typer.Argument(..., help="Model name."),
     version: int = typer.Option(..., "--version", help="Published version to roll out."),
-    servers: str | None = typer.Option(
-        None, "--servers", help="Comma-separated Triton HTTP URLs (explicit model-control mode)."
-    ),
-    regions: str | None = typer.Option(
-        None, "--regions", help="Regions from the gateway config (--config), instead of --servers."
-    ),
-    config: Path | None = typer.Option(
-        None,
-        "--config",
-        help="The stack config `skewserve up` runs (its servers are read from the running stack's "
-        "--log-dir), or a gateway config; every region unless --regions.",
-    ),
-    log_dir: Path = typer.Option(
-        Path("runs/stack-logs"), "--log-dir", help="The running stack's --log-dir (with a stack --config)."
-    ),
-    repo: str | None = typer.Option(
-        None,
-        "--repo",
-        help="The repository the version was published to: folder or s3://... (default: the stack "
-        "config's repository, else model_repository)",
-    ),
-    ready_timeout: float = typer.Option(60.0, "--ready-timeout"),
+    servers: str | None = ServersOpt,
+    regions: str | None = RegionsOpt,
+    config: Path | None = ConfigOpt,
+    log_dir: Path = LogDirOpt,
+    repo: str | None = RepoOpt,
+    load_timeout: float = typer.Option(300.0, "--load-timeout", help="Seconds one load may take."),
     server_tensorrt: str | None = typer.Option(
         None, "--server-tensorrt", help="TensorRT version of the servers, when not the pinned Triton image's."
     ),
@@ -638,61 +709,147 @@ def rollout_command(
         "--gpu-capability",
         help="Compute capabilities of the servers' GPUs, e.g. 8.6,9.0 (TensorRT plans).",
     ),
+    version_compatible: bool = typer.Option(
+        False,
+        "--servers-version-compatible",
+        help="The servers run with --backend-config=tensorrt,version-compatible=true.",
+    ),
 ) -> None:
-    """Load a version on running Triton servers one by one, canary-check each, roll back on failure."""
-    from exporter.errors import RolloutError
-    from exporter.rollout import rollout
+    """Canary a published version on every server (one by one), then promote it in the model's
+    desired state; on a failure every server goes back to the promoted version."""
+    from controller.config import ControllerConfig
+    from controller.errors import RolloutError
+    from controller.rollout import rollout
 
     _setup_logging(False)
-    urls = [u.strip() for u in (servers or "").split(",") if u.strip()]
-    if regions and config is None:
-        raise typer.BadParameter(
-            "--regions needs --config (the stack or gateway config naming the servers)",
-            param_hint="--regions",
-        )
-    if config is not None:
+    cfg = ControllerConfig(
+        load_timeout_s=load_timeout,
+        interval_s=1.0,
+        server_tensorrt=server_tensorrt,
+        gpu_capabilities=tuple(c.strip() for c in (gpu_capability or "").split(",") if c.strip()),
+        servers_version_compatible=version_compatible,
+    )
+    with control_targets(servers, regions, config, log_dir, repo) as (store, found, key):
         try:
-            region_urls, stack_repo = rollout_targets(config, log_dir)
-        except ValueError as exc:
+            result = rollout(store, name, version, found, key, cfg)
+        except RolloutError as exc:
             error(exc, label="rollout failed")
-            raise typer.Exit(2) from exc
-        wanted = {r.strip() for r in regions.split(",") if r.strip()} if regions else set(region_urls)
-        unknown = wanted - set(region_urls)
-        if unknown:
-            raise typer.BadParameter(f"regions {sorted(unknown)} are not in {config}", param_hint="--regions")
-        urls += [u for r in sorted(wanted) for u in region_urls[r]]
-        repo = repo or stack_repo
-    repo = repo or "model_repository"
-    if not urls:
-        raise typer.BadParameter(
-            "give --servers URL,... or --config (with --regions)", param_hint="--servers"
-        )
-    try:
-        done = rollout(
-            name,
-            version,
-            urls,
-            repo if repo.startswith("s3://") else Path(repo),
-            ready_timeout_s=ready_timeout,
-            server_tensorrt=server_tensorrt,
-            gpu_capabilities=[c.strip() for c in (gpu_capability or "").split(",") if c.strip()],
-        )
-    except RolloutError as exc:
-        error(exc, label="rollout failed")
-        raise typer.Exit(1) from exc
-    for r in done:
-        say(
-            f"{r.server}: version {version} ready in {r.ready_s:.1f}s, canary max |Δp| {r.canary_max_abs_error:.1e} "
-            f"(limit {r.canary_limit:.0e}, {'GPU' if r.gpu else 'CPU'}) "
-            f"(was serving {', '.join(r.previous_versions) or 'nothing'})"
-        )
+            raise typer.Exit(1) from exc
+    for step in result.steps:
+        say(step)
+    say(f"{name} version {version} promoted; served: {', '.join(map(str, result.state.served))}")
 
 
-def rollout_targets(config: Path, log_dir: Path) -> tuple[dict[str, list[str]], str | None]:
-    """Triton URLs per region from a stack config (the running stack's generated gateway config) or
-    a gateway config, and the stack's repository; ValueError in one line saying what is wrong."""
+@app.command("rollback")
+def rollback_command(
+    name: str = typer.Argument(..., help="Model name."),
+    to: int | None = typer.Option(None, "--to", help="Version to serve (default: the newest retired one)."),
+    servers: str | None = ServersOpt,
+    regions: str | None = RegionsOpt,
+    config: Path | None = ConfigOpt,
+    log_dir: Path = LogDirOpt,
+    repo: str | None = RepoOpt,
+) -> None:
+    """Serve an earlier version again: a change of desired state, applied to the servers found now
+    and by every controller from then on (it survives restarts)."""
+    from controller.errors import RolloutError
+    from controller.rollout import rollback
+
+    _setup_logging(False)
+    with control_targets(servers, regions, config, log_dir, repo) as (store, found, key):
+        try:
+            state = rollback(store, name, to, found, key)
+        except RolloutError as exc:
+            error(exc, label="rollback failed")
+            raise typer.Exit(1) from exc
+    say(
+        f"{name} serves version(s) {', '.join(map(str, state.served))} (desired state generation {state.generation})"
+    )
+
+
+@app.command("state")
+def state_command(
+    name: str | None = typer.Argument(None, help="Model name (default: every model)."),
+    repo: str = typer.Option("model_repository", "--repo", help="Folder or s3://..."),
+) -> None:
+    """Print models' desired state: served versions, canary, each version's state, load failures."""
+    from controller.state_store import open_store
+
+    store = open_store(repo)
+    for model in [name] if name else store.models():
+        state = store.current(model)
+        if state is None:
+            error(ValueError(f"{model} is not published in {repo}"), label="state")
+            raise typer.Exit(1)
+        print(state.to_json(), end="")
+
+
+@app.command("controller")
+def controller_command(
+    config: Path = typer.Option(
+        ..., "--config", help="Gateway config naming the servers (static or discovered)."
+    ),
+    repo: str = typer.Option(..., "--repo", help="The model repository: folder or s3://..."),
+    interval: float = typer.Option(5.0, "--interval", help="Seconds between reconcile passes."),
+    load_timeout: float = typer.Option(
+        300.0, "--load-timeout", help="Seconds one load may take (the servers' start-up budget)."
+    ),
+    keep_versions: int = typer.Option(
+        3, "--keep-versions", help="Published versions kept beside the served ones."
+    ),
+    regions: str | None = typer.Option(
+        None, "--regions", help="Only these regions' servers (default: every region of --config)."
+    ),
+    version_compatible: bool = typer.Option(
+        False,
+        "--servers-version-compatible",
+        help="The servers run with --backend-config=tensorrt,version-compatible=true.",
+    ),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Reconcile every discovered Triton server onto each model's desired state, until stopped.
+    The control key comes from SKEWSERVE_CONTROL_KEY (the servers' --http-restricted-api value)."""
+    from controller.config import ControllerConfig
+    from controller.runner import ControllerThread
+    from controller.state_store import open_store
     from gateway.config import ConfigError, load_gateway_config
-    from skewserve.stack import StackConfigError, load_stack_config
+
+    _setup_logging(verbose)
+    logging.getLogger("controller").setLevel(logging.INFO)
+    try:
+        gw = load_gateway_config(config)
+        cfg = ControllerConfig(
+            interval_s=interval,
+            load_timeout_s=load_timeout,
+            keep_versions=keep_versions,
+            servers_version_compatible=version_compatible,
+        )
+    except (ConfigError, ValueError) as exc:
+        error(exc, label="controller")
+        raise typer.Exit(2) from exc
+    key = os.environ.get("SKEWSERVE_CONTROL_KEY", "")
+    if not key:
+        say(
+            "SKEWSERVE_CONTROL_KEY is not set: loads go out without a key (servers must not restrict the API)"
+        )
+    wanted = {r.strip() for r in regions.split(",") if r.strip()} if regions else None
+    unknown = (wanted or set()) - {r.name for r in gw.regions}
+    if unknown:
+        error(ValueError(f"regions {sorted(unknown)} are not in {config}"), label="controller")
+        raise typer.Exit(2)
+    thread = ControllerThread(gw, open_store(repo), key, cfg, regions=wanted).start()
+    say(f"controller reconciling {repo} onto the servers of {config}; Ctrl-C stops it")
+    try:
+        wait_for_interrupt()
+    finally:
+        thread.stop()
+
+
+def rollout_targets(config: Path, log_dir: Path) -> tuple[Any, str | None, str]:
+    """The gateway config naming the servers (a running stack's generated one, or `config` itself),
+    the stack's repository and control key; ValueError in one line saying what is wrong."""
+    from gateway.config import ConfigError, load_gateway_config
+    from skewserve.stack import CONTROL_KEY_FILE, StackConfigError, load_stack_config
 
     if not config.is_file():
         raise ValueError(f"--config {config} does not exist")
@@ -700,6 +857,7 @@ def rollout_targets(config: Path, log_dir: Path) -> tuple[dict[str, list[str]], 
         stack = load_stack_config(config)
     except (StackConfigError, TypeError, ValueError):
         stack = None
+    key = ""
     if stack is not None:
         generated = log_dir / "gateway.generated.yaml"
         if not generated.is_file():
@@ -708,13 +866,15 @@ def rollout_targets(config: Path, log_dir: Path) -> tuple[dict[str, list[str]], 
                 f"({generated} is missing): start it with `skewserve up --config {config}`, or pass its --log-dir"
             )
         gw_path, repository = generated, str(stack.repository)
+        key_file = log_dir / CONTROL_KEY_FILE
+        key = key_file.read_text().strip() if key_file.is_file() else ""
     else:
         gw_path, repository = config, None
     try:
         gw = load_gateway_config(gw_path)
     except ConfigError as exc:
         raise ValueError(f"{config} is neither a stack config nor a valid gateway config: {exc}") from exc
-    return {r.name: [f"http://{s.http}" for s in r.servers] for r in gw.regions}, repository
+    return gw, repository, key
 
 
 @gateway_app.callback()

@@ -90,6 +90,10 @@ class Demo:
                 "start 2 regions of tritonserver (CPU profile) and the gateway", lambda: self._start(stack)
             )
             self.step(
+                "roll out the new versions: canary on every server, then promote (desired state)",
+                lambda: self._rollout(stack, versions),
+            )
+            self.step(
                 "classify test rows through the gateway with tritonclient (HTTP and gRPC)",
                 lambda: self._calls(stack, data, meta),
             )
@@ -128,6 +132,24 @@ class Demo:
             f"world size {p['world_size']}, rank imbalance {p['mean_imbalance_ratio']:.2f}"
         )
         return meta
+
+    def _rollout(self, stack: Any, versions: dict[str, int]) -> None:
+        """A published version serves only once rolled out (a model's first version serves at once)."""
+        from controller.rollout import rollout
+        from controller.state_store import DiskStateStore
+
+        store = DiskStateStore(self.repo.resolve())
+        for name, version in versions.items():
+            state = store.current(name)
+            if state is not None and version in state.served:
+                self.console.print(f"  {name} version {version}: the model's first version, served at once")
+                continue
+            result = rollout(
+                store, name, version, stack.controller.servers, stack.control_key, stack.config.controller
+            )
+            for step in result.steps:
+                self.console.print(f"  {step}")
+            self.console.print(f"  {name} version {version} promoted")
 
     def _export(self, artifact: Path) -> dict[str, int]:
         from exporter.errors import ParityError

@@ -3,7 +3,8 @@
 Stack config (YAML or TOML):
     repository: model_repository          # Triton model repository
     model_config_name: local              # CPU profile (configs/local.pbtxt)
-    model_control_mode: explicit          # so `skewserve rollout` can load new versions
+    model_control_mode: explicit          # the controller loads what each model's desired state serves
+    controller: {interval_s: 1}           # its settings (controller/config.py); explicit mode only
     regions: {us-east: 2, eu-west: 1}     # servers per region
     response_cache_mb: 0                  # Triton's own response cache per server (MiB, 0: off)
     autoscale: {target: 2, max_servers: 4} # optional: servers per region follow their load (README)
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import secrets
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -24,6 +27,8 @@ import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from controller.config import ControllerConfig
+from controller.triton_admin import restricted_api_args
 from gateway.config import GatewayConfig, RegionConfig, ServerConfig, format_validation_error
 from skewserve.autoscale import AutoscalePolicy
 from skewserve.errors import SkewserveError
@@ -31,8 +36,13 @@ from skewserve.gateway_process import GatewayProcess, start_gateway_process
 from skewserve.triton_process import TritonFleet, TritonServerSpec, response_cache_config
 
 if TYPE_CHECKING:
+    from controller.runner import ControllerThread
     from skewserve.local_autoscale import RegionAutoscaler
     from skewserve.loopback_dns import LoopbackDns
+
+
+logger = logging.getLogger(__name__)
+CONTROL_KEY_FILE = "control.key"
 
 
 class StackConfigError(SkewserveError):
@@ -53,6 +63,10 @@ class StackConfig(BaseModel):
         "with `skewserve export --response-cache`",
     )
     gateway: dict[str, Any] = Field(default_factory=dict)
+    controller: ControllerConfig = Field(
+        default_factory=lambda: ControllerConfig(interval_s=1.0),
+        description="the model controller inside the stack (explicit model-control mode)",
+    )
     autoscale: AutoscalePolicy | None = Field(
         default=None,
         description="scale each region's Triton servers on their load (skewserve up --autoscale); "
@@ -105,6 +119,9 @@ class LocalStack:
     def __init__(self, config: StackConfig, log_dir: Path) -> None:
         self.config = config
         self.log_dir = Path(log_dir)
+        # Only this stack's controller (and `skewserve rollout --config`, through the key file in
+        # the log folder) may load or unload models on its servers.
+        self.control_key = secrets.token_urlsafe(24)
         specs = [
             TritonServerSpec(
                 repository=config.repository,
@@ -112,8 +129,8 @@ class LocalStack:
                 name=f"{region}-{i}",
                 model_config_name=config.model_config_name,
                 model_control_mode=config.model_control_mode,
-                load_models=("*",) if config.model_control_mode == "explicit" else (),
                 cache_config=response_cache_config(config.response_cache_mb),
+                extra_args=self.control_args(),
             )
             for region, n in config.regions.items()
             for i in range(n)
@@ -127,6 +144,19 @@ class LocalStack:
         self.gateway_grpc = ""
         self.gateway_ops = ""  # host:port of the ops listener: /metrics, /admin/upstreams
         self.gateway_config_path = self.log_dir / "gateway.generated.yaml"
+        self.controller: ControllerThread | None = None
+
+    @property
+    def controlled(self) -> bool:
+        return self.config.model_control_mode == "explicit"
+
+    def control_args(self) -> tuple[str, ...]:
+        """Explicit mode: the servers start empty and serve what the controller loads; the
+        model-repository API answers only the controller's key; a loading model never makes a
+        server unready (its other models keep serving)."""
+        if not self.controlled:
+            return ()
+        return ("--strict-readiness=false", *restricted_api_args(self.control_key))
 
     def gateway_config(self) -> dict[str, Any]:
         cfg = dict(self.config.gateway)
@@ -157,8 +187,8 @@ class LocalStack:
             "repository": self.config.repository,
             "model_config_name": self.config.model_config_name,
             "model_control_mode": self.config.model_control_mode,
-            "load_models": ("*",) if self.config.model_control_mode == "explicit" else (),
             "cache_config": response_cache_config(self.config.response_cache_mb),
+            "extra_args": self.control_args(),
         }
         for index, (region, n) in enumerate(self.config.regions.items()):
             scaler = RegionAutoscaler(
@@ -193,6 +223,8 @@ class LocalStack:
             self._start_autoscalers()
         self.fleet.start()
         self.gateway_config_path.write_text(yaml.safe_dump(self.gateway_config()))
+        if self.controlled:
+            self._start_controller(timeout_s)
         host = self.config.gateway.get("listen", {}).get("host", "127.0.0.1")
         self.gateway = start_gateway_process(
             self.gateway_config_path, self.log_dir / "gateway.log", host, timeout_s
@@ -207,12 +239,35 @@ class LocalStack:
     def gateway_proc(self) -> subprocess.Popen[bytes] | None:
         return self.gateway.proc if self.gateway is not None else None
 
+    def _start_controller(self, timeout_s: float) -> None:
+        """Run the controller and wait for its first pass: the gateway opens on loaded models."""
+        from controller.runner import ControllerThread
+
+        key_file = self.log_dir / CONTROL_KEY_FILE
+        key_file.touch(mode=0o600)
+        key_file.write_text(self.control_key)
+        from controller.state_store import DiskStateStore
+        from gateway.config import load_gateway_config
+
+        gw = load_gateway_config(self.gateway_config_path)
+        self.controller = ControllerThread(
+            gw, DiskStateStore(self.config.repository), self.control_key, self.config.controller
+        ).start()
+        if not self.controller.wait_first_pass(max(timeout_s, self.config.controller.load_timeout_s)):
+            raise StackConfigError(f"the model controller made no pass in {timeout_s:.0f}s")
+        report = self.controller.last_report
+        if report is not None and report.failures:
+            logger.warning("models that failed to load: %s", "; ".join(report.failures))
+
     def stop(self) -> None:
         for scaler in self.autoscalers:
             scaler._stop.set()  # no scaling while the gateway goes away
         if self.gateway is not None:
             self.gateway.stop()
             self.gateway = None
+        if self.controller is not None:
+            self.controller.stop()
+            self.controller = None
         for scaler in self.autoscalers:
             scaler.stop()
         self.autoscalers = []

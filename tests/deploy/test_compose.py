@@ -23,6 +23,7 @@ SECRETS = {
     "SKEWSERVE_API_KEYS": '[{"name": "team-a", "sha256": "' + "a" * 64 + '"}]',
     "GRAFANA_ADMIN_PASSWORD": "grafana-admin-password",
     "SKEWSERVE_REDIS_PASSWORD": secrets.token_hex(32),
+    "SKEWSERVE_CONTROL_KEY": secrets.token_hex(32),
 }
 
 
@@ -84,6 +85,24 @@ def test_triton_runs_the_pinned_image_on_a_reserved_gpu(rendered: dict[str, Any]
     assert _host_ips(triton) == ["127.0.0.1", "127.0.0.1"]
     assert [v for v in _volumes(triton) if v["target"] == "/models"][0]["read_only"] is True
     assert triton["healthcheck"]["test"][-1].endswith("/v2/health/ready")
+
+
+def test_triton_starts_empty_and_only_the_controller_holds_its_model_control_key(
+    rendered: dict[str, Any],
+) -> None:
+    from controller.triton_admin import restricted_api_args
+
+    args = rendered["services"]["triton"]["command"]
+    assert not any(a.startswith("--load-model") for a in args)  # one broken model cannot stop start-up
+    assert "--strict-readiness=false" in args
+    for flag in restricted_api_args(SECRETS["SKEWSERVE_CONTROL_KEY"]):
+        assert flag in args
+    assert "--backend-config=tensorrt,version-compatible=true" in args
+    controller = rendered["services"]["controller"]
+    assert controller["environment"]["SKEWSERVE_CONTROL_KEY"] == SECRETS["SKEWSERVE_CONTROL_KEY"]
+    assert controller["entrypoint"][:2] == ["skewserve", "controller"]
+    assert "--servers-version-compatible" in controller["entrypoint"]
+    assert "SKEWSERVE_CONTROL_KEY" not in rendered["services"]["gateway"].get("environment", {})
 
 
 def test_repository_location_can_be_object_storage() -> None:

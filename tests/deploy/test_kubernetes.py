@@ -86,6 +86,30 @@ def test_triton_waits_for_loading_before_liveness_and_reads_the_repository_from_
     assert f"{images['tritonserver']['newName']}:{images['tritonserver']['newTag']}" == TARGET.image
 
 
+def test_triton_starts_empty_and_the_controller_alone_holds_the_model_control_key() -> None:
+    resources = _by_id(_base_resources())
+    triton = resources[("StatefulSet", "triton")]["spec"]["template"]["spec"]["containers"][0]
+    args = triton["args"]
+    assert not any(a.startswith("--load-model") for a in args) and "--strict-readiness=false" in args
+    assert "--http-restricted-api=model-repository:skewserve-control=$(SKEWSERVE_CONTROL_KEY)" in args
+    assert "--grpc-restricted-protocol=model-repository:skewserve-control=$(SKEWSERVE_CONTROL_KEY)" in args
+    assert "--backend-config=tensorrt,version-compatible=true" in args
+    key_ref = {"secretKeyRef": {"name": "skewserve-control", "key": "SKEWSERVE_CONTROL_KEY"}}
+    assert {"name": "SKEWSERVE_CONTROL_KEY", "valueFrom": key_ref} in triton["env"]
+    controller = resources[("Deployment", "skewserve-controller")]["spec"]["template"]["spec"]["containers"][
+        0
+    ]
+    assert controller["command"] == ["skewserve", "controller"]
+    assert {"name": "SKEWSERVE_CONTROL_KEY", "valueFrom": key_ref} in controller["env"]
+    assert "--servers-version-compatible" in controller["args"]
+    assert "--regions=$(SKEWSERVE_CONTROLLER_REGIONS)" in controller["args"]
+    startup = triton["startupProbe"]
+    assert "--load-timeout=600" in controller["args"]  # a load may take the pod's start-up budget
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 600
+    gateway = resources[("Deployment", "skewserve-gateway")]["spec"]["template"]["spec"]["containers"][0]
+    assert "skewserve-control" not in str(gateway)
+
+
 def test_pod_disruption_budgets_select_the_pods_they_protect() -> None:
     docs = _base_resources()
     pods = {
@@ -134,12 +158,18 @@ def test_overlay_gateway_config_takes_its_home_region_from_the_environment(
     overlay = K8S / "overlays" / region
     config = overlay / "gateway.yaml"
     env = {
-        e["name"]: e["value"]
+        p["metadata"]["name"]: {
+            e["name"]: e["value"] for e in p["spec"]["template"]["spec"]["containers"][0]["env"]
+        }
         for p in _docs(overlay / "region.yaml")
         if p["kind"] == "Deployment"
-        for e in p["spec"]["template"]["spec"]["containers"][0]["env"]
     }
-    assert env == {"SKEWSERVE_GATEWAY_HOME_REGION": region}
+    # the gateway's home region, and the controller reconciling that region's pods only (the other
+    # region's load balancer is no server to load models on)
+    assert env == {
+        "skewserve-gateway": {"SKEWSERVE_GATEWAY_HOME_REGION": region},
+        "skewserve-controller": {"SKEWSERVE_CONTROLLER_REGIONS": region},
+    }
     monkeypatch.setenv("SKEWSERVE_GATEWAY_HOME_REGION", region)
     with pytest.raises(ConfigError, match=r"cache\.hmac_secret must be set"):
         load_gateway_config(config)  # no secret in the file: the Secret is required

@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 import tritonclient.http as httpclient
 
-from exporter.errors import PublishError, RolloutError
+from controller.errors import RolloutError
+from controller.rollout import rollout, static_servers
+from controller.state_store import ObjectStateStore
+from exporter.errors import PublishError
 from exporter.object_store import CLAIMS, ObjectRepository, published_versions, s3_client
 from exporter.pipeline import export_artifact
-from exporter.rollout import rollout
 from exporter.triton_config import parse
 from tests.deploy.conftest import HoldingProxy, S3Server
 from tests.waiting import wait_until
@@ -63,8 +65,10 @@ def test_publish_twice_gives_next_version_with_configs_naming_complete_versions(
     assert first.published.version == 1
     assert "published lt version 2 at s3://twice/models/prod/lt/2\n" in second.stdout
     assert published_versions(repo, NAME) == [1, 2]
-    # keep_versions=2 (the exporter's `latest { num_versions: 2 }`) resolved to complete versions
-    assert _pinned(client, repo) == [1, 2] and _pinned(client, repo, "configs/local.pbtxt") == [1, 2]
+    # the first version is served; the second is published, and serving it is a rollout away
+    assert _pinned(client, repo) == [1] and _pinned(client, repo, "configs/local.pbtxt") == [1]
+    state = ObjectStateStore(repo.url, client).current(NAME)
+    assert state is not None and state.served == [1] and state.versions[2].state == "published"
     v1 = _objects(client, repo, NAME, 1)
     assert set(v1) == {"batching.py", "model.onnx", "model.py", "model_card.json"}
     card = json.loads(
@@ -152,17 +156,15 @@ def test_sigkilled_export_leaves_no_partial_version_visible(
     third = export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
     assert third.published.version == 3
     assert published_versions(repo, NAME) == [*complete_after_kill, 3]
-    assert _pinned(client, repo) == [*complete_after_kill, 3][-2:]
+    assert _pinned(client, repo) == [1]  # publishing never changes what is served
     assert _objects(client, repo, NAME, 1) == v1
 
 
 def test_rollout_reads_the_card_from_the_object_store(s3_env: dict[str, str]) -> None:
     client = s3_client()
     repo = _bucket(client, "rollout-missing")
-    with pytest.raises(
-        RolloutError, match=r"^lt version 7 is not published in s3://rollout-missing/models/prod"
-    ):
-        rollout(NAME, 7, ["http://127.0.0.1:1"], repo.url)
+    with pytest.raises(RolloutError, match=r"^lt is not published in s3://rollout-missing/models/prod"):
+        rollout(ObjectStateStore(repo.url, client), NAME, 7, static_servers(["http://127.0.0.1:1"]))
 
 
 def _mirror(client: Any, repo: ObjectRepository, dest: Path) -> None:
@@ -205,8 +207,8 @@ def test_triton_loads_only_complete_versions_and_rollout_reads_the_store(
         third = export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
         assert third.published.version == 3
         _mirror(client, repo, mirror)
-        done = rollout(NAME, 3, [server.http_url], repo.url)
-        assert [d.previous_versions for d in done] == [["1"]]
+        result = rollout(ObjectStateStore(repo.url, client), NAME, 3, static_servers([server.http_url]))
+        assert result.state.served == [3] and result.state.versions[1].state == "retired"
         assert http.is_model_ready(NAME, "3") and not http.is_model_ready(NAME, "2")
     finally:
         server.stop()
@@ -247,7 +249,7 @@ def test_a_publisher_whose_listing_missed_a_rivals_claim_gets_412_and_takes_the_
     published = export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
     assert statuses == [412] and published.published.version == 3
     assert published_versions(repo, NAME) == [1, 3] and _objects(client, repo, NAME, 2) == {}
-    assert _pinned(client, repo) == [1, 3]
+    assert _pinned(client, repo) == [1]  # published, not served: a rollout away
 
 
 def test_two_publishers_at_once_take_distinct_numbers_and_the_config_names_complete_versions(
@@ -281,4 +283,11 @@ def test_two_publishers_at_once_take_distinct_numbers_and_the_config_names_compl
         }
     for config in ("config.pbtxt", "configs/local.pbtxt"):
         pinned = _pinned(client, repo, config)
-        assert pinned and set(pinned) <= {1, 2, 3} and len(pinned) <= 2, (config, pinned)
+        assert pinned == [1], (config, pinned)  # publishing never changes what is served
+    # both publishers' conditional writes of the desired state landed: neither lost the other's
+    state = ObjectStateStore(repo.url, client).current(NAME)
+    assert state is not None and {v: r.state for v, r in state.versions.items()} == {
+        1: "promoted",
+        2: "published",
+        3: "published",
+    }

@@ -38,30 +38,19 @@ def test_backend_change_is_explicit_and_refused_while_live_versions_need_the_old
     assert published_versions(model_dir) == [1] and _leftovers(model_dir) == []
     assert parse((model_dir / "config.pbtxt").read_text()).backend == "onnxruntime"
 
-    # asked for, but version 1 stays live beside the new one (keep 2) and has no model.pt
-    with pytest.raises(
-        PublishError,
-        match=r"^cannot switch m from onnxruntime to pytorch: versions \[1\] stay live \(version policy keeps 2\) "
-        r"and still need onnxruntime \(version 1 has no model.pt\)",
-    ):
-        export_artifact(small_artifact, tmp_path, "m", fmt="torchscript", change_backend=True)
+    # asked for, but version 1 stays live (its desired state serves it) and has no model.pt; what
+    # the new config keeps does not matter: publishing never changes what is served
+    for options in (ConfigOptions(), ConfigOptions(keep_versions=1)):
+        with pytest.raises(
+            PublishError,
+            match=r"^cannot switch m from onnxruntime to pytorch: versions \[1\] stay live \(the model's desired "
+            r"state serves them\) and still need onnxruntime \(version 1 has no model.pt\)",
+        ):
+            export_artifact(
+                small_artifact, tmp_path, "m", fmt="torchscript", change_backend=True, options=options
+            )
     assert published_versions(model_dir) == [1] and recorded_backend(model_dir) == "onnxruntime"
-
-    # with a policy that keeps only the new version the switch is safe
-    one = ConfigOptions(keep_versions=1)
-    v2 = export_artifact(small_artifact, tmp_path, "m", fmt="torchscript", change_backend=True, options=one)
-    assert v2.published.version == 2 and (v2.published.path / "model.pt").is_file()
-    assert recorded_backend(model_dir) == "pytorch"
-    assert parse((model_dir / "config.pbtxt").read_text()).platform == "pytorch_libtorch"
-    card = json.loads((v2.published.path / "model_card.json").read_text())
-    assert card["export"]["format"] == "torchscript" and card["export"]["backend"] == "pytorch"
-
-    # the next ONNX export keeps refusing without the option, and with it while version 2 stays live
-    with pytest.raises(PublishError, match="m is served with the pytorch backend"):
-        export_artifact(small_artifact, tmp_path, "m", tensorrt="off")
-    with pytest.raises(PublishError, match=r"versions \[2\] stay live .* \(version 2 has no model.onnx\)"):
-        export_artifact(small_artifact, tmp_path, "m", tensorrt="off", change_backend=True)
-    assert published_versions(model_dir) == [1, 2] and recorded_backend(model_dir) == "pytorch"
+    assert parse((model_dir / "config.pbtxt").read_text()).backend == "onnxruntime"
 
 
 def test_auto_follows_the_recorded_backend_not_the_host(small_artifact: Path, tmp_path: Path) -> None:
@@ -108,7 +97,8 @@ def test_cli_export_options(small_artifact: Path, tmp_path: Path) -> None:
     gpu = parse((tmp_path / "m" / "config.pbtxt").read_text())
     acc = gpu.optimization.execution_accelerators.gpu_execution_accelerator[0]
     assert acc.name == "tensorrt" and acc.parameters["precision_mode"] == "FP16"
-    assert gpu.version_policy.latest.num_versions == 3 and gpu.response_cache.enable
+    # served versions come from desired state (the first version): --keep-versions no longer applies
+    assert list(gpu.version_policy.specific.versions) == [1] and gpu.response_cache.enable
     card = json.loads((tmp_path / "m" / "1" / "model_card.json").read_text())
     assert card["canary"]["gpu_tolerance"] == 1e-2  # FP16 accelerator on GPU servers
     res = subprocess.run([*base, "--format", "torchscript"], capture_output=True, text=True)

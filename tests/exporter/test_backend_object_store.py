@@ -26,13 +26,17 @@ def test_backend_change_on_object_storage(small_artifact: Path, s3_env: dict[str
     with pytest.raises(PublishError, match=r"versions \[1\] stay live .* \(version 1 has no model.pt\)"):
         export_artifact(small_artifact, repo.url, "m", fmt="torchscript", change_backend=True)
     assert published_versions(repo, "m", client) == [1]
-    export_artifact(
-        small_artifact,
-        repo.url,
-        "m",
-        fmt="torchscript",
-        change_backend=True,
-        options=ConfigOptions(keep_versions=1),
-    )
+    # served versions stay live whatever the new config keeps: desired state serves version 1
+    with pytest.raises(
+        PublishError, match=r"versions \[1\] stay live \(the model's desired state serves them\)"
+    ):
+        export_artifact(
+            small_artifact,
+            repo.url,
+            "m",
+            fmt="torchscript",
+            change_backend=True,
+            options=ConfigOptions(keep_versions=1),
+        )
     body = client.get_object(Bucket=repo.bucket, Key=repo.key("m", "serving_backend.json"))["Body"].read()
-    assert json.loads(body) == {"backend": "pytorch"} and published_versions(repo, "m", client) == [1, 2]
+    assert json.loads(body) == {"backend": "onnxruntime"} and published_versions(repo, "m", client) == [1]

@@ -102,7 +102,7 @@ def test_every_written_config_parses_against_the_schema(served) -> None:
     _, repo = served
     for path in list(repo.glob("*/config.pbtxt")) + list(repo.glob("*/configs/*.pbtxt")):
         cfg = parse(path.read_text())
-        assert cfg.max_batch_size == 64 and cfg.version_policy.latest.num_versions == 2
+        assert cfg.max_batch_size == 64 and list(cfg.version_policy.specific.versions) == [1]
     gpu = parse((repo / "lt" / "config.pbtxt").read_text())
     assert gpu.backend == "onnxruntime" and gpu.instance_group[0].kind == gpu.instance_group[0].KIND_GPU
     assert list(gpu.dynamic_batching.preferred_batch_size) == [8, 32] and gpu.model_warmup

@@ -150,7 +150,8 @@ def test_sigkilled_exports_never_expose_a_partial_version(
             break
     assert torn_moments >= 1, "no kill landed while a model-level file was being rewritten"
 
-    # Readers ignore what the kills left: a real Triton loads the newest versions.
+    # Readers ignore what the kills left: a real Triton loads what the desired state serves (the
+    # first version: publishing never changes that), and the state names only complete versions.
     leftovers = _staging_dirs(model_dir) + _model_level_temporaries(model_dir)
     assert leftovers, "the last kill left temporaries for Triton to ignore"
     (tmp_path / "logs").mkdir()
@@ -159,8 +160,11 @@ def test_sigkilled_exports_never_expose_a_partial_version(
         import tritonclient.http as httpclient
 
         client = httpclient.InferenceServerClient(server.http_address)
-        newest = published_versions(model_dir)[-1]
-        assert client.is_model_ready(MODEL, str(newest))
+        from controller.state_store import DiskStateStore
+
+        state = DiskStateStore(repo).current(MODEL)
+        assert state is not None and set(state.versions) <= set(published_versions(model_dir))
+        assert client.is_model_ready(MODEL, str(state.served[-1]))
 
     final = export_artifact(small_artifact, repo, MODEL, tensorrt="off").published.version
     assert final == max(published_versions(model_dir)) and not _staging_dirs(model_dir)

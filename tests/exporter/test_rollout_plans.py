@@ -15,13 +15,28 @@ from pathlib import Path
 import pytest
 import tritonclient.http as httpclient
 
-from exporter.errors import RolloutError
+from controller.config import ControllerConfig
+from controller.errors import RolloutError
+from controller.rollout import rollout as rollout_to
+from controller.rollout import static_servers
+from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
 from exporter.plans import PlanRecord, TensorRTBuild
-from exporter.rollout import rollout
 from exporter.target import TARGET
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
+
+
+def rollout(
+    name: str,
+    version: int,
+    urls: list[str],
+    repo: Path,
+    server_tensorrt: str | None = None,
+    gpu_capabilities: list[str] = (),  # type: ignore[assignment]
+) -> list[str]:
+    cfg = ControllerConfig(server_tensorrt=server_tensorrt, gpu_capabilities=tuple(gpu_capabilities))
+    return rollout_to(DiskStateStore(repo), name, version, static_servers(urls), cfg=cfg).steps
 
 
 def _record_plans(version_dir: Path, build: TensorRTBuild) -> None:
@@ -107,6 +122,6 @@ def test_plan_version_is_refused_by_what_the_server_reports(
 
         # warm serves lt with the local CPU profile (Python backend on model.onnx): plans do not apply,
         # and its canary is held to the CPU limit the card states
-        done = rollout("lt", 2, [warm.http_url], repo)
-        assert [(d.gpu, d.canary_limit) for d in done] == [(False, 1e-4)]
+        steps = rollout("lt", 2, [warm.http_url], repo)
+        assert len(steps) == 1 and "(limit 1e-04, CPU)" in steps[0], steps
         assert httpclient.InferenceServerClient(warm.http_address).is_model_ready("lt", "2")

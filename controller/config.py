@@ -1,0 +1,34 @@
+"""The controller's settings, validated once where they enter (CLI, stack config)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ControllerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    interval_s: float = Field(default=5.0, gt=0, description="seconds between reconcile passes")
+    load_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="how long one model load may take on a server: the servers' start-up budget",
+    )
+    lease_s: float = Field(default=30.0, gt=0, description="how long a canary lease outlives its holder")
+    retry_after_s: float = Field(
+        default=30.0, gt=0, description="first wait before loading a version that failed on a server again"
+    )
+    keep_versions: int = Field(
+        default=3,
+        ge=1,
+        description="published versions kept besides the served and canary ones; older ones are removed",
+    )
+    server_tensorrt: str | None = Field(
+        default=None, description="TensorRT version of the servers, when not the pinned Triton image's"
+    )
+    gpu_capabilities: tuple[str, ...] = ()
+    servers_version_compatible: bool = Field(
+        default=False,
+        description="the servers run with --backend-config=tensorrt,version-compatible=true; without "
+        "it, versions whose TensorRT plans were built version-compatible are refused",
+    )

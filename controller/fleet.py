@@ -1,0 +1,59 @@
+"""The servers the controller reconciles: a gateway config's static servers plus whatever its
+regions' discovery (DNS, Kubernetes EndpointSlices) reports, through the gateway's own sources."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+from gateway.config import GatewayConfig, ServerConfig
+
+if TYPE_CHECKING:
+    from gateway.upstream import UpstreamServer
+
+
+@dataclass(frozen=True)
+class ControlledServer:
+    name: str  # region/name, as the gateway names it
+    region: str
+    http: str
+
+
+class ServerSet:
+    """Implements gateway.discovery_source.Fleet, keeping only names and addresses."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self._servers: dict[str, ControlledServer] = {}
+        for region in cfg.regions:
+            for s in region.servers:
+                server = ControlledServer(f"{region.name}/{s.name}", region.name, s.http)
+                self._servers[server.name] = server
+        self.discovery: object | None = None
+
+    def new_server(self, cfg: ServerConfig, region: str) -> UpstreamServer:
+        return cast("UpstreamServer", ControlledServer(cfg.name, region, cfg.http))
+
+    async def add_server(self, server: UpstreamServer) -> bool:
+        s = cast(ControlledServer, server)
+        self._servers[s.name] = s
+        return True
+
+    def remove_server(self, server: UpstreamServer) -> None:
+        self._servers.pop(cast(ControlledServer, server).name, None)
+
+    def snapshot(self) -> list[ControlledServer]:
+        return sorted(self._servers.values(), key=lambda s: s.name)
+
+    async def start(self) -> None:
+        from gateway.discovery import Discovery
+
+        discovery = Discovery(self)
+        self.discovery = discovery
+        await discovery.start()
+
+    async def stop(self) -> None:
+        from gateway.discovery import Discovery
+
+        if isinstance(self.discovery, Discovery):
+            await self.discovery.stop()

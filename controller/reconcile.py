@@ -1,0 +1,266 @@
+"""The reconcile loop: every pass compares each model's desired state with what each discovered
+server has loaded, and acts on the difference (level-triggered, so a crash or a restarted server
+is repaired by the next pass).
+
+Per pass, for every server and model: load when the READY versions differ from the wanted ones
+(the served versions; plus the canary where it passed), unload models the repository no longer
+holds. A load that fails is recorded in the model's state (which version failed where) and retried
+after a back-off; the server and its other models keep serving. Then each model in canary advances:
+the servers not yet checked are checked one by one under the canary lease; all passed means
+promoted, one failure means the version is failed and every server goes back to the served ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+
+from controller.canary import check
+from controller.config import ControllerConfig
+from controller.desired_state import DesiredState
+from controller.errors import ControlError
+from controller.fleet import ControlledServer
+from controller.state_store import StateStore
+from controller.triton_admin import TritonAdmin
+
+logger = logging.getLogger(__name__)
+MAX_PARALLEL_SERVERS = 8
+
+
+@dataclass
+class PassReport:
+    """What one pass saw and did (printed by the CLI, asserted by tests)."""
+
+    servers: list[str] = field(default_factory=list)
+    loads: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    unreachable: list[str] = field(default_factory=list)
+    canary: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+
+class Controller:
+    def __init__(
+        self,
+        store: StateStore,
+        servers: Callable[[], list[ControlledServer]],
+        key: str,
+        cfg: ControllerConfig | None = None,
+        models: Callable[[], list[str]] | None = None,
+    ) -> None:
+        self.store = store
+        self.servers = servers
+        self.key = key
+        self.cfg = cfg or ControllerConfig()
+        self.models = models or store.models
+        self.me = f"controller-{uuid.uuid4().hex[:8]}"
+        self.canary_log: list[str] = []  # every canary step this controller took, for the CLI
+        self._retry_at: dict[tuple[str, str, tuple[int, ...]], tuple[float, float]] = {}
+        self.passes = 0
+
+    def admin(self, server: ControlledServer) -> TritonAdmin:
+        return TritonAdmin(server.name, server.http, self.key, self.cfg.load_timeout_s)
+
+    # -- one pass --------------------------------------------------------------------------------
+    def reconcile_once(self) -> PassReport:
+        report = PassReport()
+        states = {m: s for m in self.models() if (s := self.store.current(m)) is not None}
+        servers = self.servers()
+        report.servers = [s.name for s in servers]
+        if servers:
+            # Servers in parallel: one slow load (a big model, a cold S3 copy) holds up no other server.
+            with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SERVERS, len(servers))) as pool:
+                list(pool.map(lambda server: self._converge(server, states, report), servers))
+        for state in states.values():
+            if state.canary is not None:
+                self._advance_canary(state, servers, report)
+        self.passes += 1
+        return report
+
+    def _converge(
+        self, server: ControlledServer, states: dict[str, DesiredState], report: PassReport
+    ) -> None:
+        admin = self.admin(server)
+        try:
+            try:
+                loaded = admin.loaded()
+            except ControlError as exc:
+                report.unreachable.append(f"{server.name}: {exc}")
+                return
+            now = time.monotonic()
+            for model, state in states.items():
+                canary = state.canary
+                if (
+                    canary is not None
+                    and canary.checking == server.name
+                    and canary.held_by_other(self.me, self.cfg.lease_s, time.time())
+                ):
+                    continue  # another controller is checking the canary here right now
+                want = state.wanted_on(server.name)
+                have = loaded.get(model, [])
+                if not want or have == want:
+                    if have == want and state.load_failures:
+                        self.store.update(
+                            model, partial(DesiredState.load_succeeded, versions=want, server=server.name)
+                        )
+                    continue
+                key = (server.name, model, tuple(want))
+                retry_at, wait = self._retry_at.get(key, (0.0, self.cfg.retry_after_s))
+                if now < retry_at:
+                    continue
+                try:
+                    admin.load(model, None if want == state.served else want)
+                except ControlError as exc:
+                    reason = str(exc)
+                    self._retry_at[key] = (now + wait, min(wait * 2, 600.0))
+                    missing = [v for v in want if v not in have] or want
+                    for v in missing:
+                        self.store.update(
+                            model,
+                            partial(DesiredState.load_failed, version=v, server=server.name, reason=reason),
+                        )
+                    report.failures.append(f"{server.name}: {model} {want}: {reason}")
+                    logger.warning("%s: loading %s versions %s failed: %s", server.name, model, want, reason)
+                    continue
+                self._retry_at.pop(key, None)
+                report.loads.append(f"{server.name}: {model} {have} -> {want}")
+                logger.info("%s: %s now serves versions %s (was %s)", server.name, model, want, have)
+            for model in sorted(set(loaded) - set(states)):
+                try:
+                    admin.unload(model)
+                    report.loads.append(f"{server.name}: {model} unloaded (not in the repository)")
+                except ControlError as exc:
+                    report.failures.append(str(exc))
+        finally:
+            admin.close()
+
+    def _advance_canary(
+        self, state: DesiredState, servers: list[ControlledServer], report: PassReport
+    ) -> None:
+        model = state.model
+        canary = state.canary
+        assert canary is not None
+        pending = [s for s in servers if s.name not in canary.passed]
+        if not pending:
+            if not servers:
+                return  # no server to check on: a canary never passes by default
+            promoted = self.store.update(model, partial(_promote_canary, version=canary.version))
+            report.canary.append(
+                f"{model} version {canary.version} promoted (passed on {len(canary.passed)} servers)"
+            )
+            logger.info("%s version %d promoted", model, canary.version)
+            self.prune(promoted, report)
+            return
+        card = self.store.card(model, canary.version)
+        for server in pending:
+            claimed = self.store.update(
+                model,
+                partial(
+                    DesiredState.canary_claimed,
+                    me=self.me,
+                    server=server.name,
+                    lease_s=self.cfg.lease_s,
+                    now=time.time(),
+                ),
+            )
+            if (
+                claimed.canary is None
+                or claimed.canary.version != canary.version
+                or claimed.canary.owner != self.me
+            ):
+                return  # finished elsewhere, or another controller holds the lease
+            admin = self.admin(server)
+            try:
+                summary = check(admin, model, canary.version, claimed.served, card, self.cfg)
+            except ControlError as exc:
+                reason = str(exc)
+                try:
+                    admin.load(model)  # back to the served versions (the configs name them)
+                    action = f"back on version(s) {', '.join(map(str, claimed.served))}"
+                except ControlError as again:
+                    action = f"putting it back failed too: {again}"
+                self.store.update(
+                    model,
+                    partial(_fail_canary, version=canary.version, server=server.name, reason=reason),
+                )
+                report.canary.append(
+                    f"{server.name}: {model} version {canary.version} failed: {reason}; {action}"
+                )
+                self.canary_log.append(report.canary[-1])
+                logger.warning(
+                    "%s: canary of %s version %d failed: %s", server.name, model, canary.version, reason
+                )
+                return
+            finally:
+                admin.close()
+            self.store.update(model, partial(_pass_canary, version=canary.version, server=server.name))
+            report.canary.append(f"{server.name}: {model} version {canary.version} {summary}")
+            self.canary_log.append(report.canary[-1])
+
+    # -- hygiene ---------------------------------------------------------------------------------
+    def prune(self, state: DesiredState, report: PassReport) -> None:
+        """Remove versions neither served, in canary, nor among the newest `keep_versions`."""
+        published = self.store.published_versions(state.model)
+        keep = set(state.served) | set(published[-self.cfg.keep_versions :])
+        if state.canary is not None:
+            keep.add(state.canary.version)
+        doomed = [v for v in published if v not in keep]
+        for v in doomed:
+            self.store.remove_version(state.model, v)
+            report.removed.append(f"{state.model} version {v}")
+        if doomed:
+            self.store.update(state.model, partial(DesiredState.removed, versions=doomed))
+
+    # -- loops -----------------------------------------------------------------------------------
+    def settle(self, model: str, max_passes: int = 1000) -> DesiredState:
+        """Run passes until `model` has no canary (a rollout's end: promoted or failed)."""
+        for _ in range(max_passes):
+            report = self.reconcile_once()
+            state = self.store.current(model)
+            if state is None or state.canary is None:
+                return state  # type: ignore[return-value]
+            if not report.servers:
+                raise ControlError(
+                    f"no server found to roll {model} version {state.canary.version} onto: check the "
+                    "servers, or the region's discovery (DNS name, EndpointSlices)"
+                )
+            time.sleep(
+                self.cfg.interval_s
+                if state.canary.held_by_other(self.me, self.cfg.lease_s, time.time())
+                else 0
+            )
+        raise ControlError(f"{model}: rollout did not finish within {max_passes} passes")
+
+    async def run(self, stop: asyncio.Event, on_pass: Callable[[PassReport], None] | None = None) -> None:
+        """Reconcile every `interval_s` until `stop` is set; a failing pass is logged and retried."""
+        while not stop.is_set():
+            try:
+                report = await asyncio.to_thread(self.reconcile_once)
+                if on_pass is not None:
+                    on_pass(report)
+            except Exception:  # a broken pass must not end reconciliation for the fleet
+                logger.exception("reconcile pass failed")
+            try:
+                await asyncio.wait_for(stop.wait(), self.cfg.interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+
+# Canary transitions that apply only while the same canary is still on: a rollback or another
+# controller's decision in between wins.
+def _promote_canary(state: DesiredState, version: int) -> DesiredState:
+    return state.promote(version) if state.canary and state.canary.version == version else state
+
+
+def _fail_canary(state: DesiredState, version: int, server: str, reason: str) -> DesiredState:
+    return state.canary_failed(server, reason) if state.canary and state.canary.version == version else state
+
+
+def _pass_canary(state: DesiredState, version: int, server: str) -> DesiredState:
+    return state.canary_passed(server) if state.canary and state.canary.version == version else state

@@ -1,0 +1,107 @@
+"""A rollout is a change of desired state: the version enters canary, and reconcile passes (run
+here, or by any running controller) check it server by server and promote it, or mark it failed
+and put every server back on the served versions. A rollback is the same: a change of state
+(the newest retired version, or a given one, served again) that the passes then apply.
+
+Before the canary starts, versions carrying TensorRT plans are checked against every server (its
+TensorRT, its GPU's compute capability, its version-compatible flag): a mismatch refuses the
+rollout with nothing loaded anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from controller.canary import plan_refusal
+from controller.config import ControllerConfig
+from controller.desired_state import DesiredState
+from controller.errors import ControlError, RolloutError, TransitionError
+from controller.fleet import ControlledServer
+from controller.reconcile import Controller
+from controller.state_store import StateStore
+
+
+@dataclass
+class RolloutResult:
+    state: DesiredState
+    steps: list[str] = field(default_factory=list)
+
+
+def static_servers(urls: list[str]) -> Callable[[], list[ControlledServer]]:
+    servers = [ControlledServer(u, "", u) for u in urls]
+    return lambda: servers
+
+
+def _check_plans(controller: Controller, model: str, version: int) -> None:
+    card = controller.store.card(model, version)
+    for server in controller.servers():
+        admin = controller.admin(server)
+        try:
+            reason = plan_refusal(admin, model, card, controller.cfg)
+        finally:
+            admin.close()
+        if reason is not None:
+            raise RolloutError(
+                f"{server.name}: refusing to roll out {model} version {version}, the server cannot load "
+                f"its TensorRT plans: {reason}; nothing was loaded"
+            )
+
+
+def rollout(
+    store: StateStore,
+    model: str,
+    version: int,
+    servers: Callable[[], list[ControlledServer]],
+    key: str = "",
+    cfg: ControllerConfig | None = None,
+) -> RolloutResult:
+    """Canary `version` on every server, then promote it; RolloutError (servers back on the served
+    versions) when a server refuses it."""
+    controller = Controller(store, servers, key, cfg)
+    if not servers():
+        raise RolloutError(
+            f"no server found to roll {model} version {version} onto: check --servers, or the region's "
+            "discovery (DNS name, EndpointSlices)"
+        )
+    try:
+        state = store.current(model)
+        if state is None:
+            raise RolloutError(f"{model} is not published in {store.url}; export it first")
+        store.card(model, version)  # published and complete
+        if state.canary is None or state.canary.version != version:
+            _check_plans(controller, model, version)
+        store.update(model, partial(DesiredState.start_canary, version=version))
+        final = controller.settle(model)
+    except (TransitionError, ControlError) as exc:
+        if isinstance(exc, RolloutError):
+            raise
+        raise RolloutError(str(exc)) from exc
+    record = final.versions.get(version)
+    if record is None or record.state != "promoted":
+        reason = record.reason if record is not None else "the version was removed"
+        raise RolloutError(f"{reason}; {model} stays on version(s) {', '.join(map(str, final.served))}")
+    return RolloutResult(final, controller.canary_log)
+
+
+def rollback(
+    store: StateStore,
+    model: str,
+    to: int | None,
+    servers: Callable[[], list[ControlledServer]],
+    key: str = "",
+    cfg: ControllerConfig | None = None,
+) -> DesiredState:
+    """Serve `to` (default: the newest retired version) again, and apply it to the servers found."""
+    try:
+        if store.current(model) is None:
+            raise RolloutError(f"{model} is not published in {store.url}")
+        state = store.update(model, partial(DesiredState.rollback, to=to))
+        if servers():
+            Controller(store, servers, key, cfg).reconcile_once()
+    except (TransitionError, ControlError) as exc:
+        if isinstance(exc, RolloutError):
+            raise
+        raise RolloutError(str(exc)) from exc
+    return state

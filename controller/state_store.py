@@ -1,0 +1,300 @@
+"""Where desired state lives: beside the model, in the repository every server and controller reads.
+
+`<model>/desired_state.json` on disk or in object storage. Writes are conditional, so two writers
+(a rollout command and a running controller) never lose each other's change: on disk the read and
+the write happen under the model's publish lock and the generation must not have moved; on S3 the
+PUT carries `If-Match` (the ETag read) or `If-None-Match: *` (first record).
+
+After each change the model's configs are re-pinned to the served versions (`version_policy
+{ specific }`), so a server that loads the model without the controller (a plain load, a restart in
+`none` mode) loads exactly what was promoted, never the newest published version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from controller.desired_state import STATE_FILE, DesiredState, adopted
+from controller.errors import ControlError, StateConflict
+from exporter.triton_config import parse, render
+
+logger = logging.getLogger(__name__)
+MAX_WRITE_ATTEMPTS = 16
+
+
+def pin_versions(config_text: str, versions: list[int]) -> str:
+    """The config with its version policy naming exactly `versions`."""
+    cfg = parse(config_text)
+    cfg.version_policy.specific.versions[:] = sorted(versions)
+    return render(cfg)
+
+
+def policy_versions(config_text: str, complete: list[int]) -> list[int]:
+    """What a config's version policy serves among `complete` versions (Triton's own reading)."""
+    cfg = parse(config_text)
+    policy = cfg.version_policy.WhichOneof("policy_choice")
+    if policy == "all":
+        return list(complete)
+    if policy == "specific":
+        return [v for v in cfg.version_policy.specific.versions if v in complete]
+    keep = cfg.version_policy.latest.num_versions if policy == "latest" else 1
+    return complete[-max(keep, 1) :]
+
+
+class StateStore(ABC):
+    """One repository's desired states, configs and versions (disk or object storage)."""
+
+    url: str
+
+    @abstractmethod
+    def models(self) -> list[str]: ...
+
+    @abstractmethod
+    def published_versions(self, model: str) -> list[int]: ...
+
+    @abstractmethod
+    def read(self, model: str) -> tuple[DesiredState | None, object]:
+        """The record and a token for a conditional write (None when the model has no record)."""
+
+    @abstractmethod
+    def write(self, state: DesiredState, token: object) -> None:
+        """Write if nobody wrote since `token` was read; StateConflict otherwise."""
+
+    @abstractmethod
+    def configs(self, model: str) -> dict[str, str]:
+        """Model-level config files (config.pbtxt, configs/*.pbtxt) by path relative to the model."""
+
+    @abstractmethod
+    def write_config(self, model: str, rel: str, text: str) -> None: ...
+
+    @abstractmethod
+    def card(self, model: str, version: int) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def remove_version(self, model: str, version: int) -> None: ...
+
+    # -- shared logic --------------------------------------------------------------------------
+    def current(self, model: str) -> DesiredState | None:
+        """The record, adopting a model published before desired state existed (written once)."""
+        state, _ = self.read(model)
+        if state is None and self.configs(model).get("config.pbtxt") and self.published_versions(model):
+            state = self.update(model, lambda s: s)
+        return state
+
+    def update(self, model: str, change: Callable[[DesiredState], DesiredState]) -> DesiredState:
+        """Apply `change` to the current record with a conditional write, retrying on conflicts."""
+        for _ in range(MAX_WRITE_ATTEMPTS):
+            state, token = self.read(model)
+            if state is None:
+                state = self.adopt(model)
+                fresh = True
+            else:
+                fresh = False
+            new = change(state)
+            if new is state and not fresh:
+                self.materialize(new)
+                return new
+            try:
+                self.write(new, token)
+            except StateConflict:
+                continue
+            logger.info("%s desired state generation %d: served %s", model, new.generation, new.served)
+            self.materialize(new)
+            return new
+        raise ControlError(
+            f"{self.url}/{model}: desired state kept changing under {MAX_WRITE_ATTEMPTS} writes"
+        )
+
+    def adopt(self, model: str) -> DesiredState:
+        config = self.configs(model).get("config.pbtxt")
+        if config is None:
+            return DesiredState(model=model)  # nothing committed yet: the first publish starts it
+        complete = self.published_versions(model)
+        return adopted(model, complete, policy_versions(config, complete))
+
+    def materialize(self, state: DesiredState) -> None:
+        """Pin every config of the model to the served versions (idempotent)."""
+        if not state.served:
+            return
+        for rel, text in self.configs(state.model).items():
+            pinned = pin_versions(text, state.served)
+            if parse(pinned) != parse(text):
+                self.write_config(state.model, rel, pinned)
+
+
+class DiskStateStore(StateStore):
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.url = str(self.root)
+
+    def models(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and (p / "config.pbtxt").is_file())
+
+    def published_versions(self, model: str) -> list[int]:
+        from exporter.publish import published_versions
+
+        return published_versions(self.root / model)
+
+    def read(self, model: str) -> tuple[DesiredState | None, object]:
+        path = self.root / model / STATE_FILE
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return None, 0
+        state = DesiredState.from_json(text)
+        return state, state.generation
+
+    def write(self, state: DesiredState, token: object) -> None:
+        from exporter.publish import _atomic_write, model_lock
+
+        model_dir = self.root / state.model
+        with model_lock(model_dir):
+            current, now = self.read(state.model)
+            if now != token:
+                raise StateConflict(f"{model_dir}/{STATE_FILE} changed (generation {now}, read {token})")
+            _atomic_write(model_dir / STATE_FILE, state.to_json())
+
+    def configs(self, model: str) -> dict[str, str]:
+        model_dir = self.root / model
+        paths = [model_dir / "config.pbtxt", *sorted((model_dir / "configs").glob("*.pbtxt"))]
+        return {p.relative_to(model_dir).as_posix(): p.read_text() for p in paths if p.is_file()}
+
+    def write_config(self, model: str, rel: str, text: str) -> None:
+        from exporter.publish import _atomic_write
+
+        _atomic_write(self.root / model / rel, text)
+
+    def card(self, model: str, version: int) -> dict[str, Any]:
+        from exporter.publish import CARD
+
+        path = self.root / model / str(version) / CARD
+        if not path.is_file():
+            raise ControlError(f"{model} version {version} is not published in {self.root} (no {CARD})")
+        card: dict[str, Any] = json.loads(path.read_text())
+        return card
+
+    def remove_version(self, model: str, version: int) -> None:
+        """Rename aside first (readers then never see half a folder), then delete."""
+        from exporter.publish import STAGING_PREFIX, model_lock
+
+        model_dir = self.root / model
+        with model_lock(model_dir):
+            src = model_dir / str(version)
+            if not src.is_dir():
+                return
+            # A staging-style name: if we die before the delete, the next publish clears it.
+            doomed = model_dir / f"{STAGING_PREFIX}removed{version}-{os.getpid()}"
+            src.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+class ObjectStateStore(StateStore):
+    def __init__(self, url: str, client: Any | None = None) -> None:
+        from exporter.object_store import ObjectRepository, s3_client
+
+        self.repo = ObjectRepository.parse(url)
+        self.url = self.repo.url
+        self.client = client or s3_client()
+
+    def models(self) -> list[str]:
+        prefix = self.repo.key("") if self.repo.prefix else ""
+        names = set()
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.repo.bucket, Prefix=prefix, Delimiter="/"
+        ):
+            for common in page.get("CommonPrefixes", []):
+                names.add(common["Prefix"][len(prefix) :].strip("/"))
+        return sorted(n for n in names if n and not n.startswith("."))
+
+    def published_versions(self, model: str) -> list[int]:
+        from exporter.object_store import published_versions
+
+        return published_versions(self.repo, model, self.client)
+
+    def read(self, model: str) -> tuple[DesiredState | None, object]:
+        from botocore.exceptions import ClientError
+
+        from exporter.object_store import _error_code
+
+        try:
+            obj = self.client.get_object(Bucket=self.repo.bucket, Key=self.repo.key(model, STATE_FILE))
+        except ClientError as exc:
+            if _error_code(exc) in ("NoSuchKey", "404"):
+                return None, None
+            raise
+        return DesiredState.from_json(obj["Body"].read()), obj["ETag"]
+
+    def write(self, state: DesiredState, token: object) -> None:
+        from botocore.exceptions import ClientError
+
+        from exporter.object_store import _error_code
+
+        condition = {"IfMatch": str(token)} if token else {"IfNoneMatch": "*"}
+        try:
+            self.client.put_object(
+                Bucket=self.repo.bucket,
+                Key=self.repo.key(state.model, STATE_FILE),
+                Body=state.to_json().encode(),
+                **condition,
+            )
+        except ClientError as exc:
+            if _error_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                raise StateConflict(
+                    f"{self.url}/{state.model}/{STATE_FILE} changed since it was read"
+                ) from exc
+            raise
+
+    def configs(self, model: str) -> dict[str, str]:
+        from exporter.object_store import _keys, _read
+
+        rels = ["config.pbtxt"] + [
+            k[len(self.repo.key(model)) + 1 :]
+            for k in _keys(self.client, self.repo.bucket, self.repo.key(model, "configs") + "/")
+            if k.endswith(".pbtxt")
+        ]
+        out = {}
+        for rel in rels:
+            data = _read(self.client, self.repo, model, rel)
+            if data is not None:
+                out[rel] = data.decode()
+        return out
+
+    def write_config(self, model: str, rel: str, text: str) -> None:
+        self.client.put_object(Bucket=self.repo.bucket, Key=self.repo.key(model, rel), Body=text.encode())
+
+    def card(self, model: str, version: int) -> dict[str, Any]:
+        from exporter.errors import PublishError
+        from exporter.object_store import read_card
+
+        try:
+            return read_card(self.repo, model, version, self.client)
+        except PublishError as exc:
+            raise ControlError(str(exc)) from exc
+
+    def remove_version(self, model: str, version: int) -> None:
+        """The card first: the version stops being complete before any of its files go."""
+        from exporter.object_store import _keys
+
+        prefix = self.repo.key(model, version) + "/"
+        keys = sorted(
+            _keys(self.client, self.repo.bucket, prefix), key=lambda k: not k.endswith("model_card.json")
+        )
+        for key in keys:
+            self.client.delete_object(Bucket=self.repo.bucket, Key=key)
+
+
+def open_store(repo: str | Path) -> StateStore:
+    from exporter.object_store import is_object_store_url
+
+    if is_object_store_url(repo):
+        return ObjectStateStore(str(repo))
+    return DiskStateStore(Path(repo))

@@ -1,0 +1,239 @@
+"""The fleet serves what was promoted: desired state applied by the controller to real servers.
+
+Servers run as in deploy/: explicit model control with nothing loaded at start, the
+model-repository API behind the control key, --strict-readiness=false. Traffic goes through a real
+gateway in front of them while versions are promoted and rolled back.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from controller.reconcile import Controller
+from controller.rollout import rollback, rollout
+from controller.state_store import DiskStateStore
+from exporter.pipeline import export_artifact
+from skewserve.triton_dist import PreparedTriton
+from skewserve.triton_process import TritonServer
+from tests.controller.conftest import CFG, KEY, as_controlled, controlled_server, loaded
+from tests.gateway.conftest import gateway_config, launch_gateway
+from tests.gateway.steady_load import SteadyLoad
+from tests.waiting import wait_until
+
+
+@pytest.mark.slow
+def test_promotion_reaches_every_server_and_a_rollback_survives_a_restart(
+    small_artifact: Path, tmp_path: Path, prepared_triton: PreparedTriton
+) -> None:
+    repo, logs = tmp_path / "repo", tmp_path / "logs"
+    export_artifact(small_artifact, repo, "lt", tensorrt="off")
+    store = DiskStateStore(repo)
+    first = [controlled_server(repo, n, logs, prepared_triton) for n in ("a", "b")]
+    servers: list[TritonServer] = []
+    gw = None
+    try:
+        for s in first:
+            servers.append(s.start())
+        controller = Controller(store, as_controlled(servers), KEY, CFG)
+        controller.reconcile_once()
+        assert [loaded(s) for s in servers] == [{"lt": [1]}] * 2
+
+        # published, not promoted: a server started afterwards serves the promoted version
+        export_artifact(small_artifact, repo, "lt", tensorrt="off")
+        state = store.current("lt")
+        assert state is not None and state.served == [1] and state.versions[2].state == "published"
+        servers.append(controlled_server(repo, "late", logs, prepared_triton).start())
+        controller.reconcile_once()
+        assert [loaded(s) for s in servers] == [{"lt": [1]}] * 3
+
+        gw = launch_gateway(
+            gateway_config({"r": list(servers)}, home="r", cache={"models": []}), tmp_path / "gw"
+        )
+        wait_until(lambda: all(s["models"] for s in gw.admin()["servers"]), 30, "gateway sees lt")
+        out_of_rotation: list[str] = []
+        watching = threading.Event()
+
+        def watch_rotation() -> None:
+            while not watching.is_set():
+                for s in gw.admin()["servers"]:
+                    if not s["healthy"] or "lt" not in s["models"]:
+                        out_of_rotation.append(f"{s['name']}: {s}")
+
+        watcher = threading.Thread(target=watch_rotation)
+        load = SteadyLoad(gw.http).start()
+        watcher.start()
+        # a server that appears mid-rollout (here: once the first server passed) is checked too
+        joiner = controlled_server(repo, "joiner", logs, prepared_triton).start()
+        result: dict[str, Any] = {}
+        rolling = threading.Thread(
+            target=lambda: result.update(done=rollout(store, "lt", 2, as_controlled(servers), KEY, CFG))
+        )
+        rolling.start()
+
+        def first_passed() -> bool:
+            st = store.current("lt")
+            return st is not None and st.canary is not None and bool(st.canary.passed)
+
+        wait_until(first_passed, 120, "the canary passed on a first server")
+        servers.append(joiner)
+        rolling.join(timeout=300)
+        done = result["done"]
+        assert done.state.served == [2] and done.state.versions[1].state == "retired"
+        assert sum("joiner: lt version 2 ready in" in step for step in done.steps) == 1, done.steps
+        controller.reconcile_once()
+        assert [loaded(s) for s in servers] == [{"lt": [2]}] * 4
+
+        state = rollback(store, "lt", None, as_controlled(servers), KEY, CFG)
+        assert state.served == [1] and state.versions[2].state == "retired"
+        assert [loaded(s) for s in servers] == [{"lt": [1]}] * 4
+        load.stop()
+        watching.set()
+        watcher.join()
+        assert load.failed == [] and load.ok > 0
+        assert out_of_rotation == []
+
+        # the rollback is desired state, not a server's memory: a restarted server comes back on it
+        servers[0].stop()
+        servers[0].start()
+        assert loaded(servers[0]) == {}
+        controller.reconcile_once()
+        assert loaded(servers[0]) == {"lt": [1]}
+    finally:
+        if gw is not None:
+            gw.stop()
+        for s in servers + first:
+            s.stop()
+
+
+@pytest.mark.slow
+def test_a_version_failing_on_one_server_and_a_controller_killed_mid_rollout(
+    small_artifact: Path, tmp_path: Path, prepared_triton: PreparedTriton
+) -> None:
+    repo, logs = tmp_path / "repo", tmp_path / "logs"
+    export_artifact(small_artifact, repo, "lt", tensorrt="off")
+    export_artifact(small_artifact, repo, "other", tensorrt="off")
+    # server "odd" reads a profile under which lt cannot load (as a GPU profile on a server without
+    # one), while "other" loads there as everywhere
+    local = (repo / "lt" / "configs" / "local.pbtxt").read_text()
+    (repo / "lt" / "configs" / "odd.pbtxt").write_text(
+        local.replace('backend: "python"', 'backend: "no_such_backend"')
+    )
+    (repo / "other" / "configs" / "odd.pbtxt").write_text(
+        (repo / "other" / "configs" / "local.pbtxt").read_text()
+    )
+    store = DiskStateStore(repo)
+    odd = controlled_server(repo, "odd", logs, prepared_triton, model_config_name="odd", log_verbose=1)
+    good = controlled_server(repo, "good", logs, prepared_triton, log_verbose=1)
+    gw = None
+    try:
+        odd.start()
+        good.start()
+        controller = Controller(store, as_controlled([odd, good]), KEY, CFG)
+        report = controller.reconcile_once()
+        assert [f.split(":")[0] for f in report.failures] == ["odd"], report.failures
+        assert loaded(odd) == {"other": [1]} and loaded(good) == {"lt": [1], "other": [1]}
+        state = store.current("lt")
+        assert state is not None and list(state.load_failures) == [1]
+        assert "no_such_backend" in state.load_failures[1]["odd"]
+        with urllib.request.urlopen(f"{odd.http_url}/v2/health/ready", timeout=5) as r:
+            assert r.status == 200  # the server keeps serving its other models
+        gw = launch_gateway(
+            gateway_config({"r": [odd, good]}, home="r", cache={"models": []}), tmp_path / "gw"
+        )
+        wait_until(lambda: gw.server("good")["models"].get("lt"), 30, "gateway sees lt on good")
+        assert "lt" not in gw.server("odd")["models"]
+        load = SteadyLoad(gw.http).start()  # lt: routed to "good" only
+
+        # Triton's model control through any public port, without the key: refused
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    f"{good.http_url}/v2/repository/models/lt/unload", b"{}", method="POST"
+                )
+            )
+        assert refused.value.code == 403 and "restricted" in refused.value.read().decode()
+        with pytest.raises(InferenceServerException, match="restricted"):
+            grpcclient.InferenceServerClient(good.grpc_address).unload_model("lt")
+        with pytest.raises(InferenceServerException, match="restricted"):
+            httpclient.InferenceServerClient(good.http_address).get_model_repository_index()
+        for gateway_call in (
+            lambda: httpclient.InferenceServerClient(gw.http).unload_model("lt"),
+            lambda: grpcclient.InferenceServerClient(gw.grpc).unload_model("lt"),
+        ):
+            with pytest.raises(InferenceServerException):
+                gateway_call()
+        assert loaded(good) == {"lt": [1], "other": [1]}
+
+        # a rollout command SIGKILLed mid-canary; a controller started afterwards converges
+        export_artifact(small_artifact, repo, "other", tensorrt="off")
+        cmd = [
+            sys.executable,
+            "-m",
+            "skewserve.cli",
+            "rollout",
+            "other",
+            "--version",
+            "2",
+            "--repo",
+            str(repo),
+        ]
+        cmd += ["--servers", f"{good.http_url}"]
+        proc = subprocess.Popen(cmd, env={**_env(), "SKEWSERVE_CONTROL_KEY": KEY})
+        try:
+
+            def canary_claimed() -> bool:
+                st = store.current("other")
+                return st is not None and st.canary is not None and bool(st.canary.checking)
+
+            wait_until(canary_claimed, 120, "the rollout command claimed its canary")
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        restarted = Controller(store, as_controlled([odd, good]), KEY, CFG)
+        for _ in range(50):
+            restarted.reconcile_once()
+            st = store.current("other")
+            assert st is not None
+            if (
+                st.canary is None
+                and loaded(good).get("other") == st.served
+                and loaded(odd).get("other") == st.served
+            ):
+                break
+        assert st.served == [2] and st.versions[2].state == "promoted"
+        assert loaded(good)["other"] == [2] and loaded(odd)["other"] == [2]
+        load.stop()
+        assert load.failed == [] and load.ok > 0
+
+        # neither the gateway's probes (every 0.2 s here) nor the controller's passes list the repository
+        for server in (odd, good):
+            index_requests = [
+                line
+                for line in server.log_text().splitlines()
+                if "HTTP request: 2 /v2/repository/index" in line or "Process for RepositoryIndex" in line
+            ]
+            assert index_requests == [], index_requests[:3]
+            assert "Process for ModelStatistics" in server.log_text()  # the probes did run
+    finally:
+        if gw is not None:
+            gw.stop()
+        odd.stop()
+        good.stop()
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)

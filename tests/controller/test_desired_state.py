@@ -1,0 +1,51 @@
+"""Desired-state transitions and their conditional writes (disk, and S3 through moto elsewhere)."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from controller.desired_state import DesiredState
+from controller.errors import StateConflict, TransitionError
+from controller.state_store import DiskStateStore
+
+
+def test_first_version_is_served_later_ones_only_published() -> None:
+    s = DesiredState(model="m").published(1).published(2)
+    assert s.served == [1] and s.state_of(1) == "promoted" and s.state_of(2) == "published"
+
+
+def test_canary_promotion_and_rollback_are_state_changes() -> None:
+    s = DesiredState(model="m").published(1).published(2).start_canary(2)
+    assert s.wanted_on("a") == [1]
+    s = s.canary_claimed("me", "a", 30, 100.0).canary_passed("a")
+    assert s.wanted_on("a") == [1, 2] and s.wanted_on("b") == [1]
+    assert s.canary is not None and s.canary.held_by_other("other", 30, 110.0)
+    assert not s.canary.held_by_other("other", 30, 200.0)  # the lease lapses with its holder
+    s = s.promote(2)
+    assert s.served == [2] and s.state_of(1) == "retired" and s.canary is None
+    s = s.rollback()
+    assert s.served == [1] and s.state_of(2) == "retired"
+    with pytest.raises(TransitionError, match="m version 9 is not published"):
+        s.start_canary(9)
+
+
+def test_a_failed_canary_cannot_be_rolled_back_to() -> None:
+    s = DesiredState(model="m").published(1).published(2).start_canary(2).canary_failed("a", "boom")
+    assert s.served == [1] and s.state_of(2) == "failed" and s.load_failures == {2: {"a": "boom"}}
+    with pytest.raises(TransitionError, match=r"m version 2 failed \(a: boom\); pick another"):
+        s.rollback(2)
+
+
+def test_a_stale_write_is_refused_and_update_retries(tmp_path: Path) -> None:
+    store = DiskStateStore(tmp_path)
+    (tmp_path / "m").mkdir()
+    store.write(DesiredState(model="m").published(1), 0)
+    state, token = store.read("m")
+    assert state is not None
+    store.write(state.published(2), token)
+    with pytest.raises(StateConflict):
+        store.write(state.published(3), token)  # read before the other write landed
+    assert store.update("m", partial(DesiredState.published, version=3)).versions.keys() == {1, 2, 3}
