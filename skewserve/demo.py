@@ -41,7 +41,7 @@ class Demo:
         self.load_seconds = load_seconds
         self.epochs = epochs
         self.users = users
-        self.n_steps = 8
+        self.n_steps = 9
         self.step_no = 0
         self.started = time.monotonic()
 
