@@ -135,6 +135,16 @@ def torch_runner(module: ServingModule) -> Runner:
     return run
 
 
+def require_provider(in_use: list[str], wanted: str) -> None:
+    """ONNX Runtime falls back to the CPU when a CUDA provider cannot start (a missing cuDNN, a
+    driver too old) and only logs a warning: a GPU figure measured that way would be a CPU figure."""
+    if not in_use or in_use[0] != wanted:
+        raise RuntimeError(
+            f"ONNX Runtime runs this session on {', '.join(in_use) or 'no provider'}, not {wanted}: the "
+            f"{wanted} did not start (its libraries: CUDA, cuDNN; see ONNX Runtime's warning above)"
+        )
+
+
 def onnxruntime_runner(model_bytes: bytes, provider: str = "CPUExecutionProvider") -> Runner:
     import onnxruntime as ort
 
@@ -148,6 +158,7 @@ def onnxruntime_runner(model_bytes: bytes, provider: str = "CPUExecutionProvider
         )
     # Pinning the one provider: ONNX Runtime must not fall back to the CPU behind our back.
     session = ort.InferenceSession(model_bytes, opts, providers=[provider])
+    require_provider(session.get_providers(), provider)
     names = [o.name for o in session.get_outputs()]
     input_names = [i.name for i in session.get_inputs()]
 

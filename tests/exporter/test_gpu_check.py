@@ -9,6 +9,8 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+import numpy as np
+import pytest
 import tomllib
 import typer
 
@@ -116,3 +118,28 @@ def test_gpu_extra_pins_the_serving_tensorrt_and_never_onnxruntime_gpu() -> None
     assert extras["gpu"] == [f"tensorrt-cu12=={wheel_version}"]
     every = [req for reqs in extras.values() for req in reqs]
     assert not [r for r in every if r.startswith("onnxruntime-gpu")]
+
+
+def test_a_session_that_fell_back_to_the_cpu_is_refused() -> None:
+    """make gpu-check asserts the provider a session actually runs on (exporter/parity.py)."""
+    from exporter.parity import onnxruntime_runner, require_provider
+
+    require_provider(["CUDAExecutionProvider", "CPUExecutionProvider"], "CUDAExecutionProvider")
+    with pytest.raises(
+        RuntimeError, match=r"runs this session on CPUExecutionProvider, not CUDAExecutionProvider"
+    ):
+        require_provider(["CPUExecutionProvider"], "CUDAExecutionProvider")
+    # the CPU runner passes its own check on a real session
+    import onnx
+    from onnx import helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    run = onnxruntime_runner(model.SerializeToString())
+    assert list(run([np.ones(1, np.float32)])["y"]) == [1.0]
