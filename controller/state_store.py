@@ -140,9 +140,18 @@ class DiskStateStore(StateStore):
         return sorted(p.name for p in self.root.iterdir() if p.is_dir() and (p / "config.pbtxt").is_file())
 
     def published_versions(self, model: str) -> list[int]:
-        from exporter.publish import published_versions
+        """Complete versions (holding their model card); for a model written by hand, without a card
+        in any version, its integer folders, as Triton reads them."""
+        from exporter.publish import CARD, published_versions
 
-        return published_versions(self.root / model)
+        model_dir = self.root / model
+        found = published_versions(model_dir)
+        if found or not model_dir.is_dir():
+            return found
+        folders = [p for p in model_dir.iterdir() if p.name.isdigit() and p.is_dir()]
+        if any((p / CARD).exists() for p in folders):
+            return []
+        return sorted(int(p.name) for p in folders)
 
     def read(self, model: str) -> tuple[DesiredState | None, object]:
         path = self.root / model / STATE_FILE
@@ -178,7 +187,9 @@ class DiskStateStore(StateStore):
 
         path = self.root / model / str(version) / CARD
         if not path.is_file():
-            raise ControlError(f"{model} version {version} is not published in {self.root} (no {CARD})")
+            raise ControlError(
+                f"{model} version {version} is not published in {self.root} (no {CARD}); export it first"
+            )
         card: dict[str, Any] = json.loads(path.read_text())
         return card
 

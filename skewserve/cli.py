@@ -640,7 +640,12 @@ RepoOpt = typer.Option(
 
 @contextlib.contextmanager
 def control_targets(
-    servers: str | None, regions: str | None, config: Path | None, log_dir: Path, repo: str | None
+    servers: str | None,
+    regions: str | None,
+    config: Path | None,
+    log_dir: Path,
+    repo: str | None,
+    label: str,
 ) -> Iterator[tuple[Any, Any, str]]:
     """(state store, servers callable, control key) for the control commands; discovery runs while
     the block does, so servers that appear mid-rollout are found."""
@@ -662,7 +667,7 @@ def control_targets(
         try:
             gw, stack_repo, stack_key = rollout_targets(config, log_dir)
         except ValueError as exc:
-            error(exc, label="failed")
+            error(exc, label=label)
             raise typer.Exit(2) from exc
         names = {r.name for r in gw.regions}
         wanted = {r.strip() for r in regions.split(",") if r.strip()} if regions else names
@@ -729,7 +734,7 @@ def rollout_command(
         gpu_capabilities=tuple(c.strip() for c in (gpu_capability or "").split(",") if c.strip()),
         servers_version_compatible=version_compatible,
     )
-    with control_targets(servers, regions, config, log_dir, repo) as (store, found, key):
+    with control_targets(servers, regions, config, log_dir, repo, "rollout failed") as (store, found, key):
         try:
             result = rollout(store, name, version, found, key, cfg)
         except RolloutError as exc:
@@ -756,7 +761,7 @@ def rollback_command(
     from controller.rollout import rollback
 
     _setup_logging(False)
-    with control_targets(servers, regions, config, log_dir, repo) as (store, found, key):
+    with control_targets(servers, regions, config, log_dir, repo, "rollback failed") as (store, found, key):
         try:
             state = rollback(store, name, to, found, key)
         except RolloutError as exc:

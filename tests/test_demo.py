@@ -33,8 +33,9 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for step in (
-        "step 1/8",
-        "step 8/8",
+        "step 1/9",
+        "step 5/9: roll out the new versions",
+        "step 9/9",
         "predictions through the gateway",
         "per-class recall",
         "demo finished",

@@ -6,6 +6,7 @@ import asyncio
 import shutil
 import threading
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,8 @@ import redis
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from controller.desired_state import DesiredState
+from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
 from gateway.cache import MemoryCache
 from tests.gateway.conftest import gateway_config, start_fleet, stop_fleet, wait_until
@@ -240,6 +243,8 @@ def test_new_model_version_is_never_served_a_stale_entry(
         state, body = _cache_header(gw.http, x)
         assert state == "hit" and body["model_version"] == "1"
         export_artifact(small_artifact, repo, "lt", tensorrt="off")
+        # promoted as a rollout would (controller/), then loaded: the configs now name version 2
+        DiskStateStore(repo).update("lt", partial(DesiredState.promote, version=2))
         httpclient.InferenceServerClient(fleet["us-east"][0].http_address).load_model("lt")
         wait_until(
             lambda: "2" in gw.server("us-east-0")["models"].get("lt", []), what="gateway to see version 2"

@@ -24,6 +24,9 @@ def test_help_lists_exactly_the_products_commands() -> None:
         "train",
         "export",
         "rollout",
+        "rollback",
+        "state",
+        "controller",
         "up",
         "loadtest",
         "plan",
@@ -32,8 +35,8 @@ def test_help_lists_exactly_the_products_commands() -> None:
         "gateway",
         "data",
     ]
-    assert "  triton    Run real tritonserver processes locally (CPU profile).\n" in commands
-    assert "  data      Data sets: generate long-tailed data, inspect class balance.\n" in commands
+    assert "  triton      Run real tritonserver processes locally (CPU profile).\n" in commands
+    assert "  data        Data sets: generate long-tailed data, inspect class balance.\n" in commands
 
 
 def table_rows(text: str) -> list[list[str]]:
