@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from controller.placement import PlacementConfig
+
 
 class ControllerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -31,4 +33,9 @@ class ControllerConfig(BaseModel):
         default=False,
         description="the servers run with --backend-config=tensorrt,version-compatible=true; without "
         "it, versions whose TensorRT plans were built version-compatible are refused",
+    )
+    placement: PlacementConfig | None = Field(
+        default=None,
+        description="place models by demand within each server's capacity (controller/placement.py); "
+        "unset: every server loads every model",
     )

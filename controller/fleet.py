@@ -4,12 +4,40 @@ regions' discovery (DNS, Kubernetes EndpointSlices) reports, through the gateway
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from gateway.config import GatewayConfig, ServerConfig
+from gateway.config import ConfigError, GatewayConfig, RegionConfig, ServerConfig
 
 if TYPE_CHECKING:
     from gateway.upstream import UpstreamServer
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """The regions of a gateway config: all the controller reads of it."""
+
+    regions: list[RegionConfig]
+
+
+def fleet_config(path: Path) -> FleetSpec:
+    """The servers of a gateway config (static and discovered regions), and nothing else of it: the
+    controller holds none of the gateway's secrets (cache HMAC, API keys), which the full config
+    requires, nor its environment. ConfigError names what is wrong."""
+    from pydantic import ValidationError
+
+    from gateway.config import _read_file, format_validation_error
+
+    try:
+        data = _read_file(Path(path))
+        regions = [RegionConfig.model_validate(r) for r in data.get("regions") or []]
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, f"{path} (regions)")) from exc
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    if not regions:
+        raise ConfigError(f"{path} names no regions: the controller finds its servers there")
+    return FleetSpec(regions)
 
 
 @dataclass(frozen=True)
@@ -22,8 +50,10 @@ class ControlledServer:
 class ServerSet:
     """Implements gateway.discovery_source.Fleet, keeping only names and addresses."""
 
-    def __init__(self, cfg: GatewayConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, fleet: FleetSpec) -> None:
+        # discovery reads `cfg.regions` only (gateway/discovery.py)
+        self.cfg = cast(GatewayConfig, fleet)
+        cfg = fleet
         self._servers: dict[str, ControlledServer] = {}
         for region in cfg.regions:
             for s in region.servers:

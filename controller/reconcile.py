@@ -20,14 +20,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 from controller.canary import check
 from controller.config import ControllerConfig
+from controller.demand import DemandTracker, idle_seconds
 from controller.desired_state import DesiredState
 from controller.errors import ControlError
 from controller.fleet import ControlledServer
+from controller.placement import ModelView, plan_region
 from controller.state_store import StateStore
-from controller.triton_admin import TritonAdmin
+from controller.triton_admin import TritonAdmin, loaded_versions
 
 logger = logging.getLogger(__name__)
 MAX_PARALLEL_SERVERS = 8
@@ -43,6 +46,9 @@ class PassReport:
     unreachable: list[str] = field(default_factory=list)
     canary: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    placement: dict[str, list[str]] = field(default_factory=dict)  # server -> models it holds
+    evictions: list[str] = field(default_factory=list)
+    unplaced: dict[str, str] = field(default_factory=dict)
 
 
 class Controller:
@@ -63,6 +69,12 @@ class Controller:
         self.canary_log: list[str] = []  # every canary step this controller took, for the CLI
         self._retry_at: dict[tuple[str, str, tuple[int, ...]], tuple[float, float]] = {}
         self.passes = 0
+        # placement by demand (cfg.placement): what it measured and decided last
+        self.demand = DemandTracker()
+        self.copies: dict[str, dict[str, int]] = {}  # region -> model -> copies
+        self.load_s: dict[str, float] = {}  # model -> seconds its loads take (EWMA)
+        self.placed: dict[str, set[str]] | None = None  # server -> models it holds
+        self._file_bytes: dict[tuple[str, tuple[int, ...]], int] = {}
 
     def admin(self, server: ControlledServer) -> TritonAdmin:
         return TritonAdmin(server.name, server.http, self.key, self.cfg.load_timeout_s)
@@ -76,25 +88,96 @@ class Controller:
         if servers:
             # Servers in parallel: one slow load (a big model, a cold S3 copy) holds up no other server.
             with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SERVERS, len(servers))) as pool:
-                list(pool.map(lambda server: self._converge(server, states, report), servers))
+                observed = dict(
+                    zip(servers, pool.map(lambda s: self._observe(s, report), servers), strict=True)
+                )
+                reachable = {s: stats for s, stats in observed.items() if stats is not None}
+                self.placed = self._place(reachable, states, report) if self.cfg.placement else None
+                list(
+                    pool.map(lambda item: self._converge(item[0], item[1], states, report), reachable.items())
+                )
         for state in states.values():
             if state.canary is not None:
                 self._advance_canary(state, servers, report)
         self.passes += 1
         return report
 
-    def _converge(
-        self, server: ControlledServer, states: dict[str, DesiredState], report: PassReport
-    ) -> None:
+    def _observe(self, server: ControlledServer, report: PassReport) -> list[dict[str, Any]] | None:
         admin = self.admin(server)
         try:
-            try:
-                loaded = admin.loaded()
-            except ControlError as exc:
-                report.unreachable.append(f"{server.name}: {exc}")
-                return
-            now = time.monotonic()
+            return admin.stats()
+        except ControlError as exc:
+            report.unreachable.append(f"{server.name}: {exc}")
+            return None
+        finally:
+            admin.close()
+
+    def _place(
+        self,
+        observed: dict[ControlledServer, list[dict[str, Any]]],
+        states: dict[str, DesiredState],
+        report: PassReport,
+    ) -> dict[str, set[str]]:
+        """Which models each server holds this pass (placement by demand, per region)."""
+        cfg = self.cfg.placement
+        assert cfg is not None
+        self.demand.observe({s.name: s.region for s in observed}, {s.name: st for s, st in observed.items()})
+        now = time.time()
+        placed: dict[str, set[str]] = {}
+        for region in sorted({s.region for s in observed}):
+            members = {s.name: st for s, st in observed.items() if s.region == region}
+            views = {}
             for model, state in states.items():
+                if not state.served:
+                    continue
+                holders = [n for n, st in members.items() if any(e["name"] == model for e in st)]
+                views[model] = ModelView(
+                    model,
+                    self._footprint(model, state.served, cfg.footprint_overhead),
+                    self.demand.rate(region, model),
+                    self.load_s.get(model, 1.0),
+                    {n: idle_seconds(members[n], model, now) for n in holders},
+                )
+            held = {n: {e["name"] for e in st} for n, st in members.items()}
+            plan = plan_region(sorted(members), held, views, self.copies.get(region, {}), cfg)
+            self.copies[region] = plan.copies
+            placed.update(plan.holds)
+            report.evictions += plan.evictions
+            report.unplaced.update(plan.unplaced)
+        report.placement = {n: sorted(ms) for n, ms in placed.items()}
+        return placed
+
+    def _footprint(self, model: str, served: list[int], overhead: float) -> int:
+        reported = self.demand.reported_bytes.get(model)
+        if reported:
+            return reported
+        key = (model, tuple(served))
+        if key not in self._file_bytes:
+            self._file_bytes[key] = sum(self.store.version_bytes(model, v) for v in served)
+        return int(self._file_bytes[key] * overhead)
+
+    def _converge(
+        self,
+        server: ControlledServer,
+        stats: list[dict[str, Any]],
+        states: dict[str, DesiredState],
+        report: PassReport,
+    ) -> None:
+        admin = self.admin(server)
+        loaded = loaded_versions(stats)
+        placed = None if self.placed is None else self.placed.get(server.name, set())
+        try:
+            now = time.monotonic()
+            # evictions first: they make the room the loads of this pass may need
+            for model, state in sorted(states.items(), key=lambda item: placed is None or item[0] in placed):
+                if placed is not None and model not in placed:
+                    if model in loaded:
+                        try:
+                            admin.unload(model)
+                            report.loads.append(f"{server.name}: {model} evicted (placement)")
+                        except ControlError as exc:
+                            report.failures.append(str(exc))
+                    continue
                 canary = state.canary
                 if (
                     canary is not None
@@ -114,8 +197,11 @@ class Controller:
                 retry_at, wait = self._retry_at.get(key, (0.0, self.cfg.retry_after_s))
                 if now < retry_at:
                     continue
+                started = time.monotonic()
                 try:
                     admin.load(model, None if want == state.served else want)
+                    took = time.monotonic() - started
+                    self.load_s[model] = 0.5 * took + 0.5 * self.load_s.get(model, took)
                 except ControlError as exc:
                     reason = str(exc)
                     self._retry_at[key] = (now + wait, min(wait * 2, 600.0))
@@ -146,9 +232,11 @@ class Controller:
         model = state.model
         canary = state.canary
         assert canary is not None
-        pending = [s for s in servers if s.name not in canary.passed]
+        # with placement, the canary is checked where the model is placed
+        eligible = [s for s in servers if self.placed is None or model in self.placed.get(s.name, set())]
+        pending = [s for s in eligible if s.name not in canary.passed]
         if not pending:
-            if not servers:
+            if not eligible:
                 return  # no server to check on: a canary never passes by default
             promoted = self.store.update(model, partial(_promote_canary, version=canary.version))
             report.canary.append(

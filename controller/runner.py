@@ -13,10 +13,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from controller.config import ControllerConfig
-from controller.fleet import ControlledServer, ServerSet
+from controller.fleet import ControlledServer, FleetSpec, ServerSet
 from controller.reconcile import Controller, PassReport
 from controller.state_store import StateStore
-from gateway.config import GatewayConfig
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +23,7 @@ logger = logging.getLogger(__name__)
 class ControllerThread:
     def __init__(
         self,
-        gateway_cfg: GatewayConfig,
+        gateway_cfg: FleetSpec,
         store: StateStore,
         key: str,
         cfg: ControllerConfig | None = None,

@@ -80,6 +80,10 @@ class StateStore(ABC):
     @abstractmethod
     def remove_version(self, model: str, version: int) -> None: ...
 
+    @abstractmethod
+    def version_bytes(self, model: str, version: int) -> int:
+        """Bytes of the version's files (placement's footprint when Triton reports none)."""
+
     # -- shared logic --------------------------------------------------------------------------
     def current(self, model: str) -> DesiredState | None:
         """The record, adopting a model published before desired state existed (written once)."""
@@ -193,6 +197,10 @@ class DiskStateStore(StateStore):
         card: dict[str, Any] = json.loads(path.read_text())
         return card
 
+    def version_bytes(self, model: str, version: int) -> int:
+        folder = self.root / model / str(version)
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
     def remove_version(self, model: str, version: int) -> None:
         """Rename aside first (readers then never see half a folder), then delete."""
         from exporter.publish import STAGING_PREFIX, model_lock
@@ -290,6 +298,14 @@ class ObjectStateStore(StateStore):
             return read_card(self.repo, model, version, self.client)
         except PublishError as exc:
             raise ControlError(str(exc)) from exc
+
+    def version_bytes(self, model: str, version: int) -> int:
+        total = 0
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.repo.bucket, Prefix=self.repo.key(model, version) + "/"
+        ):
+            total += sum(int(o["Size"]) for o in page.get("Contents", []))
+        return total
 
     def remove_version(self, model: str, version: int) -> None:
         """The card first: the version stops being complete before any of its files go."""

@@ -28,6 +28,14 @@ def restricted_api_args(key: str) -> tuple[str, ...]:
     )
 
 
+def loaded_versions(stats: list[dict[str, Any]]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for m in stats:
+        if str(m.get("version", "")).isdigit():
+            out.setdefault(m["name"], []).append(int(m["version"]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
 class LoadFailed(ControlError):
     """Triton refused or failed a load; the message is Triton's reason."""
 
@@ -41,17 +49,17 @@ class TritonAdmin:
         )
         self.headers = {CONTROL_HEADER: key} if key else {}
 
-    def loaded(self) -> dict[str, list[int]]:
-        """READY versions per model (ControlError if the server cannot be asked)."""
+    def stats(self) -> list[dict[str, Any]]:
+        """Triton's statistics of every READY model version (ControlError if it cannot be asked)."""
         try:
             stats = self.client.get_inference_statistics()
         except (InferenceServerException, OSError) as exc:
             raise ControlError(f"{self.name}: cannot read the loaded models: {exc}") from exc
-        out: dict[str, list[int]] = {}
-        for m in stats.get("model_stats", []):
-            if str(m.get("version", "")).isdigit():
-                out.setdefault(m["name"], []).append(int(m["version"]))
-        return {k: sorted(v) for k, v in out.items()}
+        return list(stats.get("model_stats", []))
+
+    def loaded(self) -> dict[str, list[int]]:
+        """READY versions per model (ControlError if the server cannot be asked)."""
+        return loaded_versions(self.stats())
 
     def config(self, model: str) -> dict[str, Any] | None:
         try:

@@ -805,6 +805,12 @@ def controller_command(
     regions: str | None = typer.Option(
         None, "--regions", help="Only these regions' servers (default: every region of --config)."
     ),
+    placement: Path | None = typer.Option(
+        None,
+        "--placement",
+        help="YAML of placement by demand (controller/placement.py: server_capacity_bytes, "
+        "target_rps_per_copy, ...); unset: every server loads every model.",
+    ),
     version_compatible: bool = typer.Option(
         False,
         "--servers-version-compatible",
@@ -815,21 +821,30 @@ def controller_command(
     """Reconcile every discovered Triton server onto each model's desired state, until stopped.
     The control key comes from SKEWSERVE_CONTROL_KEY (the servers' --http-restricted-api value)."""
     from controller.config import ControllerConfig
+    from controller.fleet import fleet_config
     from controller.runner import ControllerThread
     from controller.state_store import open_store
-    from gateway.config import ConfigError, load_gateway_config
+    from gateway.config import ConfigError
 
     _setup_logging(verbose)
     logging.getLogger("controller").setLevel(logging.INFO)
     try:
-        gw = load_gateway_config(config)
+        gw = fleet_config(config)
+        placement_cfg = None
+        if placement is not None:
+            import yaml
+
+            from controller.placement import PlacementConfig
+
+            placement_cfg = PlacementConfig.model_validate(yaml.safe_load(placement.read_text()))
         cfg = ControllerConfig(
             interval_s=interval,
             load_timeout_s=load_timeout,
             keep_versions=keep_versions,
             servers_version_compatible=version_compatible,
+            placement=placement_cfg,
         )
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, OSError) as exc:
         error(exc, label="controller")
         raise typer.Exit(2) from exc
     key = os.environ.get("SKEWSERVE_CONTROL_KEY", "")
@@ -853,7 +868,8 @@ def controller_command(
 def rollout_targets(config: Path, log_dir: Path) -> tuple[Any, str | None, str]:
     """The gateway config naming the servers (a running stack's generated one, or `config` itself),
     the stack's repository and control key; ValueError in one line saying what is wrong."""
-    from gateway.config import ConfigError, load_gateway_config
+    from controller.fleet import fleet_config
+    from gateway.config import ConfigError
     from skewserve.stack import CONTROL_KEY_FILE, StackConfigError, load_stack_config
 
     if not config.is_file():
@@ -876,7 +892,7 @@ def rollout_targets(config: Path, log_dir: Path) -> tuple[Any, str | None, str]:
     else:
         gw_path, repository = config, None
     try:
-        gw = load_gateway_config(gw_path)
+        gw = fleet_config(gw_path)
     except ConfigError as exc:
         raise ValueError(f"{config} is neither a stack config nor a valid gateway config: {exc}") from exc
     return gw, repository, key

@@ -246,10 +246,10 @@ class LocalStack:
         key_file = self.log_dir / CONTROL_KEY_FILE
         key_file.touch(mode=0o600)
         key_file.write_text(self.control_key)
+        from controller.fleet import fleet_config
         from controller.state_store import DiskStateStore
-        from gateway.config import load_gateway_config
 
-        gw = load_gateway_config(self.gateway_config_path)
+        gw = fleet_config(self.gateway_config_path)
         self.controller = ControllerThread(
             gw, DiskStateStore(self.config.repository), self.control_key, self.config.controller
         ).start()

@@ -199,3 +199,10 @@ def test_images_are_pinned_by_exact_tag(rendered: dict[str, Any]) -> None:
         image = svc["image"]
         tag = image.rsplit(":", 1)[1] if ":" in image.rsplit("/", 1)[-1] else ""
         assert tag and tag != "latest" and any(c.isdigit() for c in tag), f"{name}: {image} is not pinned"
+
+
+def test_the_controller_reads_the_servers_of_the_gateway_config_without_its_secrets() -> None:
+    from controller.fleet import fleet_config
+
+    fleet = fleet_config(DEPLOY / "compose" / "gateway.yaml")
+    assert [(r.name, [s.http for s in r.servers]) for r in fleet.regions] == [("local", ["triton:8000"])]

@@ -360,3 +360,12 @@ def test_triton_copies_models_from_the_bucket_onto_a_sized_volume() -> None:
     volume = mounts[env["TRITON_AWS_MOUNT_DIRECTORY"]]
     (spec,) = [v for v in pod["volumes"] if v["name"] == volume]
     assert spec["emptyDir"]["sizeLimit"]
+
+
+@pytest.mark.parametrize("region", REGIONS)
+def test_the_controller_reads_its_regions_servers_without_the_gateways_secrets(region: str) -> None:
+    from controller.fleet import fleet_config
+
+    fleet = fleet_config(K8S / "overlays" / region / "gateway.yaml")  # no secret in the environment
+    local = next(r for r in fleet.regions if r.name == region)
+    assert local.discover is not None and local.discover.endpointslices is not None
