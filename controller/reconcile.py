@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -34,6 +35,8 @@ from controller.triton_admin import TritonAdmin, loaded_versions
 
 logger = logging.getLogger(__name__)
 MAX_PARALLEL_SERVERS = 8
+DEMAND_HOLD_S = 60.0  # how long a gateway's ask keeps a model placed without measured traffic
+ASKED_RATE = 1e-3  # the rate an asked-for model counts with: enough for one copy
 
 
 @dataclass
@@ -75,6 +78,14 @@ class Controller:
         self.load_s: dict[str, float] = {}  # model -> seconds its loads take (EWMA)
         self.placed: dict[str, set[str]] | None = None  # server -> models it holds
         self._file_bytes: dict[tuple[str, tuple[int, ...]], int] = {}
+        self.requested: dict[str, float] = {}  # model -> when a gateway last asked for it (epoch s)
+        self._wake: asyncio.Event | None = None
+
+    def request_demand(self, model: str) -> None:
+        """A gateway holds requests for `model`: give it a copy, and run a pass now (in the loop)."""
+        self.requested[model] = time.time()
+        if self._wake is not None:
+            self._wake.set()
 
     def admin(self, server: ControlledServer) -> TritonAdmin:
         return TritonAdmin(server.name, server.http, self.key, self.cfg.load_timeout_s)
@@ -131,12 +142,17 @@ class Controller:
                 if not state.served:
                     continue
                 holders = [n for n, st in members.items() if any(e["name"] == model for e in st)]
+                rate = self.demand.rate(region, model)
+                since_asked = now - self.requested.get(model, -math.inf)
+                if since_asked < DEMAND_HOLD_S:
+                    # asked for by a gateway: at least one copy, and in use as far as eviction goes
+                    rate = max(rate, ASKED_RATE)
                 views[model] = ModelView(
                     model,
                     self._footprint(model, state.served, cfg.footprint_overhead),
-                    self.demand.rate(region, model),
+                    rate,
                     self.load_s.get(model, 1.0),
-                    {n: idle_seconds(members[n], model, now) for n in holders},
+                    {n: min(idle_seconds(members[n], model, now), since_asked) for n in holders},
                 )
             held = {n: {e["name"] for e in st} for n, st in members.items()}
             plan = plan_region(sorted(members), held, views, self.copies.get(region, {}), cfg)
@@ -327,17 +343,22 @@ class Controller:
 
     async def run(self, stop: asyncio.Event, on_pass: Callable[[PassReport], None] | None = None) -> None:
         """Reconcile every `interval_s` until `stop` is set; a failing pass is logged and retried."""
+        self._wake = asyncio.Event()
         while not stop.is_set():
+            self._wake.clear()  # an ask during this pass wakes the loop for the next one at once
             try:
                 report = await asyncio.to_thread(self.reconcile_once)
                 if on_pass is not None:
                     on_pass(report)
             except Exception:  # a broken pass must not end reconciliation for the fleet
                 logger.exception("reconcile pass failed")
-            try:
-                await asyncio.wait_for(stop.wait(), self.cfg.interval_s)
-            except asyncio.TimeoutError:
-                pass
+            stopping = asyncio.ensure_future(stop.wait())
+            woken = asyncio.ensure_future(self._wake.wait())
+            await asyncio.wait(
+                {stopping, woken}, timeout=self.cfg.interval_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            stopping.cancel()
+            woken.cancel()
 
 
 # Canary transitions that apply only while the same canary is still on: a rollback or another

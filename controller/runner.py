@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from controller.config import ControllerConfig
+from controller.demand_api import DemandApi
 from controller.fleet import ControlledServer, FleetSpec, ServerSet
 from controller.reconcile import Controller, PassReport
 from controller.state_store import StateStore
@@ -37,6 +38,8 @@ class ControllerThread:
         self.passes = 0
         self.last_report: PassReport | None = None
         self._first_pass = threading.Event()
+        self._pass_done: asyncio.Event | None = None  # set (and replaced) after each pass, in the loop
+        self.demand_api: DemandApi | None = None
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="controller", daemon=True)
@@ -61,8 +64,28 @@ class ControllerThread:
         self.passes += 1
         self.last_report = report
         self._first_pass.set()
+        if self._pass_done is not None:
+            self._pass_done.set()
+            self._pass_done = None
         if self.on_pass is not None:
             self.on_pass(report)
+
+    async def next_pass(self, timeout_s: float) -> PassReport | None:
+        """The report of the next pass to end (in the controller's loop), or None after `timeout_s`."""
+        if self._pass_done is None:
+            self._pass_done = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._pass_done.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        return self.last_report
+
+    def serve_demand(self, host: str, port: int) -> int:
+        """Start the demand API (gateway cold starts) on the controller's loop; its port."""
+        self.demand_api = DemandApi(self)
+        return asyncio.run_coroutine_threadsafe(self.demand_api.start(host, port), self._loop).result(
+            timeout=30
+        )
 
     def wait_first_pass(self, timeout_s: float) -> bool:
         return self._first_pass.wait(timeout_s)
@@ -76,6 +99,8 @@ class ControllerThread:
                 self._runner.result(timeout=self.controller.cfg.load_timeout_s + 10)
             except Exception:  # stopping: a pass's error was logged by the loop already
                 logger.debug("controller loop ended with an error", exc_info=True)
+        if self.demand_api is not None:
+            asyncio.run_coroutine_threadsafe(self.demand_api.stop(), self._loop).result(timeout=30)
         asyncio.run_coroutine_threadsafe(self.fleet.stop(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)

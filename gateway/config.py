@@ -582,6 +582,17 @@ class DrainConfig(_Strict):
     timeout_s: float = Field(default=30.0, gt=0, description="bound on waiting for in-flight requests")
 
 
+class ColdStartConfig(_Strict):
+    """Models no server holds are loaded on demand by the controller (placement by demand)."""
+
+    controller_url: str = Field(
+        pattern=r"^https?://[^/\s]+$", description="the controller's demand API, e.g. http://controller:8090"
+    )
+    wait_s: float = Field(default=30.0, gt=0, description="most a request waits for its model's load")
+    max_waiting: int = Field(default=256, ge=1, description="requests waiting for loads at once, per worker")
+    retry_after_s: int = Field(default=5, ge=1, description="Retry-After when a model cannot be loaded now")
+
+
 class ReloadConfig(_Strict):
     """Live config reload: SIGHUP always re-reads the file; polling it is optional."""
 
@@ -613,6 +624,9 @@ class GatewayConfig(BaseSettings):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     drain: DrainConfig = Field(default_factory=DrainConfig)
     reload: ReloadConfig = Field(default_factory=ReloadConfig)
+    cold_start: ColdStartConfig | None = Field(
+        default=None, description="load models no server holds on demand (the controller's demand API)"
+    )
     log_json: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="root log level of the gateway process"

@@ -19,6 +19,7 @@ from gateway.balancer import make_balancer
 from gateway.body_budget import BodyBudget
 from gateway.cache import MemoryCache, RedisCache, ResponseCache
 from gateway.coalesce import Coalescer
+from gateway.cold_start import ColdStart
 from gateway.config import GatewayConfig, ServerConfig
 from gateway.discovery import Discovery
 from gateway.dispatch import WHOLE_DEADLINE, Attempt, Dispatcher, Outcome, SequenceId
@@ -81,6 +82,9 @@ class Gateway:
         self.detector = OutlierDetector(cfg.health, on_eject=self.metrics.ejection, servers=self.servers)
         self.health = HealthChecker(self.servers, cfg.health, cfg.upstream_protocol, self.detector, clock)
         self.dispatcher = Dispatcher(cfg, self.router, self.detector, self.metrics, clock)
+        self.cold_start = (
+            ColdStart(cfg.cold_start, lambda: self.servers, self.health, clock) if cfg.cold_start else None
+        )
         self.auth = Authenticator(cfg.auth, clock)
         pattern = cfg.routing.header_forward_pattern
         self._forward_pattern = re.compile(pattern, re.IGNORECASE) if pattern else None
@@ -145,6 +149,8 @@ class Gateway:
     async def stop(self) -> None:
         await self.discovery.stop()
         await self.health.stop()
+        if self.cold_start is not None:
+            await self.cold_start.close()
         for task in list(self._leaving):
             task.cancel()  # each closes its server on the way out
         await asyncio.gather(*self._leaving, return_exceptions=True)
@@ -382,6 +388,15 @@ class Gateway:
                 model, version, pinned, deadline, attempt, sequence_id=sequence_id, hedge=hedge
             )
         except NoReadyServer:
+            # a model no server holds: loaded on demand where the controller places models
+            if (
+                pinned is None
+                and self.cold_start is not None
+                and await self.cold_start.wait_ready(model, deadline)
+            ):
+                return await self.dispatcher.send(
+                    model, version, pinned, deadline, attempt, sequence_id=sequence_id, hedge=hedge
+                )
             if pinned is None and not self.router.knows_model(model):
                 return await self.dispatcher.send(model, version, None, deadline, attempt, route_any=True)
             raise

@@ -109,6 +109,7 @@ class HealthChecker:
         self.detector = detector
         self.clock = clock
         self._task: asyncio.Task[None] | None = None
+        self._round: asyncio.Event | None = None
         self.rounds = 0
 
     async def probe(self, server: UpstreamServer) -> None:
@@ -168,6 +169,18 @@ class HealthChecker:
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(s) for s in self.servers))
         self.rounds += 1
+        if self._round is not None:
+            self._round.set()
+            self._round = None
+
+    async def next_round(self, timeout_s: float) -> None:
+        """Return after the next probe round (or `timeout_s`): what servers hold was read again."""
+        if self._round is None:
+            self._round = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._round.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
 
     async def _run(self) -> None:
         while True:

@@ -805,6 +805,12 @@ def controller_command(
     regions: str | None = typer.Option(
         None, "--regions", help="Only these regions' servers (default: every region of --config)."
     ),
+    listen: str | None = typer.Option(
+        None,
+        "--listen",
+        help="HOST:PORT of the demand API gateways ask for models no server holds (with --placement; "
+        "the gateways' cold_start.controller_url).",
+    ),
     placement: Path | None = typer.Option(
         None,
         "--placement",
@@ -858,6 +864,9 @@ def controller_command(
         error(ValueError(f"regions {sorted(unknown)} are not in {config}"), label="controller")
         raise typer.Exit(2)
     thread = ControllerThread(gw, open_store(repo), key, cfg, regions=wanted).start()
+    if listen:
+        host, _, port = listen.rpartition(":")
+        say(f"demand API on http://{host}:{thread.serve_demand(host or '0.0.0.0', int(port))}/v1/demand")
     say(f"controller reconciling {repo} onto the servers of {config}; Ctrl-C stops it")
     try:
         wait_for_interrupt()

@@ -1,0 +1,76 @@
+"""The controller's demand API: gateways ask for a model no server holds (gateway/cold_start.py).
+
+`POST /v1/demand {"model": NAME}` records the demand, runs a reconcile pass at once (placement
+gives the model a copy: one load in the whole fleet, however many gateways ask) and answers when
+that pass ended: `ready` (some server holds it), `unplaced` with the reason (no room without
+evicting models in use or worth more), `loading` (not done within the wait) or `unknown` (404: the
+repository has no such model). Bodies are bounded and names checked before anything is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from typing import Any
+
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
+MAX_BODY = 4096
+MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+class DemandApi:
+    def __init__(self, thread: Any, wait_s: float = 30.0) -> None:
+        self.thread = thread  # controller.runner.ControllerThread
+        self.wait_s = wait_s
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_post("/v1/demand", self.demand)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self.port
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    @staticmethod
+    def _answer(status: int, state: str, reason: str = "") -> web.Response:
+        return web.json_response({"state": state, "reason": reason}, status=status)
+
+    async def demand(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read())
+            model = body.get("model") if isinstance(body, dict) else None
+        except (ValueError, web.HTTPRequestEntityTooLarge):
+            return self._answer(
+                400, "invalid", f'the body must be JSON {{"model": NAME}} of at most {MAX_BODY} bytes'
+            )
+        if not isinstance(model, str) or not MODEL_NAME.match(model):
+            return self._answer(400, "invalid", "model must be a model name (letters, digits, _ . -)")
+        controller = self.thread.controller
+        if model not in await asyncio.to_thread(controller.store.models):
+            return self._answer(404, "unknown", f"{model} is not in the repository")
+        controller.request_demand(model)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_s
+        while loop.time() < deadline:
+            report = await self.thread.next_pass(deadline - loop.time())
+            if report is None:
+                break
+            if model in report.unplaced:
+                return self._answer(503, "unplaced", report.unplaced[model])
+            if any(model in held for held in report.placement.values()) and not any(
+                f": {model} " in f for f in report.failures
+            ):
+                return self._answer(200, "ready")
+        return self._answer(202, "loading", f"{model} is not loaded after {self.wait_s:.0f}s")

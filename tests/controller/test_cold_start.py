@@ -1,0 +1,112 @@
+"""Cold models on demand through the real gateway and the controller's demand API: the first
+requests for a model no server holds cause exactly one load in the fleet and are then answered; a
+model that cannot fit is a 503 with Retry-After and the reason; an unknown name is Triton's answer."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from controller.config import ControllerConfig
+from controller.fleet import FleetSpec
+from controller.placement import CopyBounds, PlacementConfig
+from controller.runner import ControllerThread
+from controller.state_store import DiskStateStore
+from gateway.config import RegionConfig, ServerConfig
+from skewserve.triton_dist import PreparedTriton
+from tests.controller.conftest import KEY, controlled_server
+from tests.fixtures_models import write_affine_model
+from tests.gateway.conftest import gateway_config, launch_gateway
+
+BODY = json.dumps(
+    {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1.0] * 4}]}
+).encode()
+
+
+def _infer(http: str, model: str) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(
+        f"http://{http}/v2/models/{model}/infer", BODY, {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
+
+
+@pytest.mark.slow
+def test_cold_model_is_loaded_once_for_its_first_requests(
+    tmp_path: Path, prepared_triton: PreparedTriton
+) -> None:
+    repo = tmp_path / "repo"
+    for m in ("a", "cold", "big"):
+        write_affine_model(repo, m)
+    (repo / "big" / "1" / "weights.bin").write_bytes(b"\0" * 2_000_000)  # larger than any server's room
+    store = DiskStateStore(repo)
+    footprint = int(store.version_bytes("a", 1) * 1.5)
+    placement = PlacementConfig(
+        server_capacity_bytes=int(footprint * 2.5),
+        recent_use_guard_s=60,
+        models={"cold": CopyBounds(min_copies=0), "big": CopyBounds(min_copies=0)},
+    )
+    cfg = ControllerConfig(interval_s=0.5, load_timeout_s=120, placement=placement)
+    servers = [controlled_server(repo, n, tmp_path / "logs", prepared_triton) for n in ("s0", "s1")]
+    thread = gw = None
+    try:
+        for s in servers:
+            s.start()
+        fleet = FleetSpec(
+            [
+                RegionConfig(
+                    name="r",
+                    servers=[
+                        ServerConfig(name=s.spec.name, http=s.http_address, grpc=s.grpc_address)
+                        for s in servers
+                    ],
+                )
+            ]
+        )
+        thread = ControllerThread(fleet, store, KEY, cfg).start()
+        port = thread.serve_demand("127.0.0.1", 0)
+        assert thread.wait_first_pass(120)
+        gw = launch_gateway(
+            gateway_config(
+                {"r": servers},
+                home="r",
+                cache={"models": []},
+                cold_start={"controller_url": f"http://127.0.0.1:{port}"},
+            ),
+            tmp_path / "gw",
+        )
+        logs = lambda: "".join(s.log_text() for s in servers)  # noqa: E731
+        assert "successfully loaded 'cold'" not in logs()
+
+        answers: list[tuple[int, dict[str, str], bytes]] = []
+        clients = [threading.Thread(target=lambda: answers.append(_infer(gw.http, "cold"))) for _ in range(8)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join()
+        assert [a[0] for a in answers] == [200] * 8, answers
+        assert all(json.loads(a[2])["outputs"][0]["data"] == [3.0] * 4 for a in answers)
+        assert logs().count("successfully loaded 'cold'") == 1  # one load in the whole fleet
+
+        status, headers, body = _infer(gw.http, "big")
+        assert status == 503 and headers.get("retry-after") == "5", (status, body)
+        assert "model big cannot be loaded now: big needs 1 copies" in json.loads(body)["error"]
+        assert "successfully loaded 'big'" not in logs()
+
+        status, _, body = _infer(gw.http, "no_such_model")
+        assert status in (400, 404) and "unknown model" in json.loads(body)["error"], (status, body)
+    finally:
+        if gw is not None:
+            gw.stop()
+        if thread is not None:
+            thread.stop()
+        for s in servers:
+            s.stop()
