@@ -34,6 +34,7 @@ from gateway.errors import (
     RetryableUpstream,
     UpstreamRejected,
     UpstreamTimeout,
+    UpstreamUnavailable,
 )
 from gateway.health import OutlierDetector
 from gateway.metrics import GatewayMetrics
@@ -111,6 +112,27 @@ def hedge_delay(servers: Iterable[UpstreamServer], floor_s: float) -> float:
     return max(floor_s, min(p95s) if p95s else 0.0)
 
 
+_GONE_MARKERS = (b"unknown model", b"has no available versions")
+
+
+def _model_gone(body: bytes, model: str, server: UpstreamServer) -> bool:
+    """Triton no longer holds a model this server was last probed holding (unloaded since: an
+    eviction, a rollback): forget it there, so the request is retried on a server that has it."""
+    if not model or model not in server.ready_models:
+        return False
+    head = body[:512].lower()
+    if not any(marker in head for marker in _GONE_MARKERS):
+        return False
+    server.ready_models.pop(model, None)
+    return True
+
+
+def _gone(server: UpstreamServer, model: str) -> UpstreamUnavailable:
+    return UpstreamUnavailable(
+        f"{server.region}/{server.name} no longer holds model {model} (unloaded since its last probe)"
+    )
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -154,6 +176,8 @@ class Dispatcher:
                 self.detector.failure(server, exc.message, now)
             raise
         except UpstreamRejected as exc:
+            if _model_gone(exc.message.encode(), model, server):
+                raise _gone(server, model) from exc
             # Triton answered: with a server error (gRPC INTERNAL...) it is evidence against the
             # server; a rejection of the client's input says nothing either way.
             if exc.http_status >= 500:
@@ -163,6 +187,12 @@ class Dispatcher:
             raise
         else:
             now = self.clock()
+            if (
+                isinstance(value, HttpResponse)
+                and value.status in (400, 404)
+                and _model_gone(value.body, model, server)
+            ):
+                raise _gone(server, model)
             if isinstance(value, HttpResponse) and value.status >= 400:
                 # An error answer's latency is not the server's latency for real work: kept out of
                 # the EWMA so a fast error cannot attract traffic; 4xx is the client's, neutral.
