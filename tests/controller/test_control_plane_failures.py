@@ -1,10 +1,5 @@
 """A version failing on one server, closed control APIs, a controller killed mid-rollout, and no
-repository listing by anyone (real servers and gateway; see test_control_plane.py for the setup).
-
-Servers run as in deploy/: explicit model control with nothing loaded at start, the
-model-repository API behind the control key, --strict-readiness=false. Traffic goes through a real
-gateway in front of them while versions are promoted and rolled back.
-"""
+repository listing by anyone, on servers run as in deploy/ (tests/controller/conftest.py)."""
 
 from __future__ import annotations
 
