@@ -19,6 +19,7 @@ from aiohttp import web
 
 logger = logging.getLogger(__name__)
 MAX_BODY = 4096
+MODELS_TTL_S = 5.0
 MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 
@@ -28,6 +29,18 @@ class DemandApi:
         self.wait_s = wait_s
         self.runner: web.AppRunner | None = None
         self.port = 0
+        self._models_cache: set[str] = set()
+        self._listed_at: float | None = None
+        self.asks = 0
+
+    async def _models(self) -> set[str]:
+        """The repository's models, listed at most every MODELS_TTL_S (on S3 a listing costs a
+        request: asks for invented names must not turn into one listing each)."""
+        loop = asyncio.get_running_loop()
+        if self._listed_at is None or loop.time() - self._listed_at > MODELS_TTL_S:
+            self._models_cache = set(await asyncio.to_thread(self.thread.controller.store.models))
+            self._listed_at = loop.time()
+        return self._models_cache
 
     async def start(self, host: str, port: int) -> int:
         app = web.Application(client_max_size=MAX_BODY)
@@ -48,6 +61,7 @@ class DemandApi:
         return web.json_response({"state": state, "reason": reason}, status=status)
 
     async def demand(self, request: web.Request) -> web.Response:
+        self.asks += 1
         try:
             body = json.loads(await request.read())
             model = body.get("model") if isinstance(body, dict) else None
@@ -58,7 +72,7 @@ class DemandApi:
         if not isinstance(model, str) or not MODEL_NAME.match(model):
             return self._answer(400, "invalid", "model must be a model name (letters, digits, _ . -)")
         controller = self.thread.controller
-        if model not in await asyncio.to_thread(controller.store.models):
+        if model not in await self._models():
             return self._answer(404, "unknown", f"{model} is not in the repository")
         controller.request_demand(model)
         loop = asyncio.get_running_loop()

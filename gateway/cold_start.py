@@ -24,6 +24,9 @@ from gateway.errors import Overloaded
 from gateway.health import HealthChecker
 from gateway.upstream import UpstreamServer
 
+UNKNOWN_TTL_S = 10.0
+UNKNOWN_NAMES_KEPT = 1024
+
 
 @dataclass(frozen=True)
 class DemandAnswer:
@@ -46,6 +49,7 @@ class ColdStart:
         self.waiting = 0
         self.asks = 0
         self._asking: dict[str, asyncio.Task[DemandAnswer]] = {}
+        self._unknown: dict[str, float] = {}  # names the controller does not know -> until when
         self._session: aiohttp.ClientSession | None = None
 
     def _busy(self, message: str) -> Overloaded:
@@ -62,6 +66,8 @@ class ColdStart:
             raise self._busy(f"{self.waiting} requests already wait for models to load; retry later")
         self.waiting += 1
         try:
+            if self._unknown.get(model, 0.0) > self.clock():
+                return False  # the controller said so a moment ago: no new ask for invented names
             task = self._asking.get(model)
             if task is None:
                 task = asyncio.get_running_loop().create_task(self._ask(model))
@@ -73,6 +79,9 @@ class ColdStart:
             except asyncio.TimeoutError:
                 raise self._busy(f"model {model} is still loading; retry") from None
             if answer.state == "unknown":
+                if len(self._unknown) >= UNKNOWN_NAMES_KEPT:
+                    self._unknown.clear()  # bounded whatever names clients invent
+                self._unknown[model] = self.clock() + UNKNOWN_TTL_S
                 return False
             if answer.state == "unplaced":
                 raise self._busy(f"model {model} cannot be loaded now: {answer.reason}")
