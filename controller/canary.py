@@ -36,6 +36,8 @@ def plan_refusal(admin: TritonAdmin, model: str, card: dict[str, Any], cfg: Cont
         triton_version = str(admin.client.get_server_metadata().get("version", "unknown"))
     except InferenceServerException as exc:
         return f"cannot read the server's metadata: {exc.message()}"
+    except OSError as exc:
+        return f"cannot read the server's metadata: {exc}"
     return server_refusal(build, triton_version, cfg.server_tensorrt, list(cfg.gpu_capabilities))
 
 
@@ -65,6 +67,8 @@ def check(
         err = canary_error(admin.client, model, version, card)
     except InferenceServerException as exc:
         raise ControlError(f"canary request failed: {exc.message()}") from exc
+    except OSError as exc:
+        raise ControlError(f"canary request failed: {exc}") from exc
     if err > limit:
         raise ControlError(
             f"canary for {model} version {version} differs from the exporter's reference by {err:.2e} "

@@ -34,6 +34,11 @@ class ControllerConfig(BaseModel):
         description="the servers run with --backend-config=tensorrt,version-compatible=true; without "
         "it, versions whose TensorRT plans were built version-compatible are refused",
     )
+    canary_regions: tuple[str, ...] = Field(
+        default=(),
+        description="regions whose servers must all pass a canary before it is promoted (with one "
+        "controller per region, every region); empty: the regions of the servers this controller sees",
+    )
     placement: PlacementConfig | None = Field(
         default=None,
         description="place models by demand within each server's capacity (controller/placement.py); "

@@ -65,6 +65,7 @@ class DemandApi:
         try:
             body = json.loads(await request.read())
             model = body.get("model") if isinstance(body, dict) else None
+            region = body.get("region", "") if isinstance(body, dict) else ""
         except (ValueError, web.HTTPRequestEntityTooLarge):
             return self._answer(
                 400, "invalid", f'the body must be JSON {{"model": NAME}} of at most {MAX_BODY} bytes'
@@ -74,17 +75,22 @@ class DemandApi:
         controller = self.thread.controller
         if model not in await self._models():
             return self._answer(404, "unknown", f"{model} is not in the repository")
-        controller.request_demand(model)
+        if not isinstance(region, str) or len(region) > 200:
+            return self._answer(400, "invalid", "region must be a region name")
+        state = await asyncio.to_thread(controller.store.current, model)
+        if state is None or not state.served:
+            return self._answer(503, "unplaced", f"no version of {model} is served: roll one out first")
+        controller.request_demand(model, region)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_s
         while loop.time() < deadline:
             report = await self.thread.next_pass(deadline - loop.time())
             if report is None:
                 break
-            if model in report.unplaced:
-                return self._answer(503, "unplaced", report.unplaced[model])
             if any(model in held for held in report.placement.values()) and not any(
                 f": {model} " in f for f in report.failures
             ):
                 return self._answer(200, "ready")
+            if model in report.unplaced:
+                return self._answer(503, "unplaced", report.unplaced[model])
         return self._answer(202, "loading", f"{model} is not loaded after {self.wait_s:.0f}s")

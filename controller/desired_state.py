@@ -44,6 +44,8 @@ class Canary(BaseModel):
     owner: str = ""
     checking: str = ""
     heartbeat: float = 0.0
+    # regions whose controller found every one of its servers passed (one controller per region)
+    regions_done: list[str] = Field(default_factory=list)
 
     def held_by_other(self, me: str, lease_s: float, now: float) -> bool:
         return bool(self.owner) and self.owner != me and now - self.heartbeat < lease_s
@@ -132,6 +134,12 @@ class DesiredState(BaseModel):
         canary = self.canary.model_copy(update={"passed": [*self.canary.passed, server], "checking": ""})
         return self._next(canary=canary)
 
+    def canary_region_done(self, regions: list[str]) -> DesiredState:
+        if self.canary is None or set(regions) <= set(self.canary.regions_done):
+            return self
+        done = sorted({*self.canary.regions_done, *regions})
+        return self._next(canary=self.canary.model_copy(update={"regions_done": done}))
+
     def canary_failed(self, server: str, reason: str) -> DesiredState:
         assert self.canary is not None
         version = self.canary.version
@@ -167,6 +175,11 @@ class DesiredState(BaseModel):
         if state == "failed":
             raise TransitionError(
                 f"{self.model} version {to} failed ({self.versions[to].reason}); pick another"
+            )
+        if state not in ("retired", "promoted"):
+            raise TransitionError(
+                f"{self.model} version {to} was never promoted (it is {state}): roll it out instead, so its "
+                "canary runs on every server"
             )
         nxt = self.promote(to, reason="rolled back to")
         if self.canary is not None and self.canary.version != to:

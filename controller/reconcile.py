@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -68,6 +69,9 @@ class Controller:
         self.key = key
         self.cfg = cfg or ControllerConfig()
         self.models = models or store.models
+        # scoped to some models (a rollout command): what else servers hold is not its business
+        self.scoped = models is not None
+        self._materialized: dict[str, int] = {}
         self.me = f"controller-{uuid.uuid4().hex[:8]}"
         self.canary_log: list[str] = []  # every canary step this controller took, for the CLI
         self._retry_at: dict[tuple[str, str, tuple[int, ...]], tuple[float, float]] = {}
@@ -78,12 +82,14 @@ class Controller:
         self.load_s: dict[str, float] = {}  # model -> seconds its loads take (EWMA)
         self.placed: dict[str, set[str]] | None = None  # server -> models it holds
         self._file_bytes: dict[tuple[str, tuple[int, ...]], int] = {}
-        self.requested: dict[str, float] = {}  # model -> when a gateway last asked for it (epoch s)
+        # (region, model) -> when a gateway last asked for it (epoch s); region "" for any region
+        self.requested: dict[tuple[str, str], float] = {}
         self._wake: asyncio.Event | None = None
 
-    def request_demand(self, model: str) -> None:
-        """A gateway holds requests for `model`: give it a copy, and run a pass now (in the loop)."""
-        self.requested[model] = time.time()
+    def request_demand(self, model: str, region: str = "") -> None:
+        """A gateway of `region` holds requests for `model`: give it a copy there (in every region
+        when the region is not one of the controller's), and run a pass now (in the loop)."""
+        self.requested[(region, model)] = time.time()
         if self._wake is not None:
             self._wake.set()
 
@@ -93,7 +99,20 @@ class Controller:
     # -- one pass --------------------------------------------------------------------------------
     def reconcile_once(self) -> PassReport:
         report = PassReport()
-        states = {m: s for m in self.models() if (s := self.store.current(m)) is not None}
+        states: dict[str, DesiredState] = {}
+        for model in self.models():
+            try:  # one model's unreadable state (or store error) stops no other model
+                state = self.store.current(model)
+                if state is not None and self._materialized.get(model) != state.generation:
+                    # configs follow the state even after a racing writer pinned an older one
+                    self.store.materialize(state)
+                    self._materialized[model] = state.generation
+            except Exception as exc:
+                report.failures.append(f"{model}: desired state unreadable: {exc}")
+                logger.warning("%s: desired state unreadable: %s", model, exc)
+                continue
+            if state is not None:
+                states[model] = state
         servers = self.servers()
         report.servers = [s.name for s in servers]
         if servers:
@@ -109,7 +128,11 @@ class Controller:
                 )
         for state in states.values():
             if state.canary is not None:
-                self._advance_canary(state, servers, report)
+                try:
+                    self._advance_canary(state, servers, report)
+                except Exception as exc:  # e.g. the version's card cannot be read: reported, others go on
+                    report.failures.append(f"{state.model}: canary of version {state.canary.version}: {exc}")
+                    logger.warning("%s: canary failed to advance: %s", state.model, exc)
         self.passes += 1
         return report
 
@@ -143,7 +166,11 @@ class Controller:
                     continue
                 holders = [n for n, st in members.items() if any(e["name"] == model for e in st)]
                 rate = self.demand.rate(region, model)
-                since_asked = now - self.requested.get(model, -math.inf)
+                asked = self.requested.get((region, model))
+                if asked is None and not any(r == region for r, _ in self.requested):
+                    # an ask from a region this controller does not run counts everywhere
+                    asked = max((t for (r, m), t in self.requested.items() if m == model), default=None)
+                since_asked = now - asked if asked is not None else math.inf
                 if since_asked < DEMAND_HOLD_S:
                     # asked for by a gateway: at least one copy, and in use as far as eviction goes
                     rate = max(rate, ASKED_RATE)
@@ -233,7 +260,7 @@ class Controller:
                 self._retry_at.pop(key, None)
                 report.loads.append(f"{server.name}: {model} {have} -> {want}")
                 logger.info("%s: %s now serves versions %s (was %s)", server.name, model, want, have)
-            for model in sorted(set(loaded) - set(states)):
+            for model in [] if self.scoped else sorted(set(loaded) - set(states)):
                 try:
                     admin.unload(model)
                     report.loads.append(f"{server.name}: {model} unloaded (not in the repository)")
@@ -254,7 +281,18 @@ class Controller:
         if not pending:
             if not eligible:
                 return  # no server to check on: a canary never passes by default
-            promoted = self.store.update(model, partial(_promote_canary, version=canary.version))
+            mine = sorted({s.region for s in eligible})
+            marked = self.store.update(model, partial(_region_done, version=canary.version, regions=mine))
+            needed = set(self.cfg.canary_regions or mine)
+            if marked.canary is None or not needed <= set(marked.canary.regions_done):
+                report.canary.append(
+                    f"{model} version {canary.version}: passed in {', '.join(mine)}; waiting for "
+                    f"{', '.join(sorted(needed - set(marked.canary.regions_done if marked.canary else [])))}"
+                )
+                return
+            promoted = self.store.update(
+                model, partial(_promote_canary, version=canary.version, started=canary.started)
+            )
             report.canary.append(
                 f"{model} version {canary.version} promoted (passed on {len(canary.passed)} servers)"
             )
@@ -281,7 +319,9 @@ class Controller:
                 return  # finished elsewhere, or another controller holds the lease
             admin = self.admin(server)
             try:
-                summary = check(admin, model, canary.version, claimed.served, card, self.cfg)
+                summary = self._check_under_lease(
+                    admin, model, canary.version, claimed.served, card, server.name
+                )
             except ControlError as exc:
                 reason = str(exc)
                 try:
@@ -306,6 +346,25 @@ class Controller:
             self.store.update(model, partial(_pass_canary, version=canary.version, server=server.name))
             report.canary.append(f"{server.name}: {model} version {canary.version} {summary}")
             self.canary_log.append(report.canary[-1])
+
+    def _check_under_lease(
+        self,
+        admin: TritonAdmin,
+        model: str,
+        version: int,
+        served: list[int],
+        card: dict[str, Any],
+        server: str,
+    ) -> str:
+        """The canary check, renewing the lease while it runs (a load may outlast the lease)."""
+        renew = partial(DesiredState.canary_claimed, me=self.me, server=server, lease_s=self.cfg.lease_s)
+        with ThreadPoolExecutor(max_workers=1) as one:
+            running = one.submit(check, admin, model, version, served, card, self.cfg)
+            while True:
+                try:
+                    return running.result(timeout=self.cfg.lease_s / 3)
+                except FutureTimeout:
+                    self.store.update(model, partial(renew, now=time.time()))
 
     # -- hygiene ---------------------------------------------------------------------------------
     def prune(self, state: DesiredState, report: PassReport) -> None:
@@ -363,8 +422,14 @@ class Controller:
 
 # Canary transitions that apply only while the same canary is still on: a rollback or another
 # controller's decision in between wins.
-def _promote_canary(state: DesiredState, version: int) -> DesiredState:
-    return state.promote(version) if state.canary and state.canary.version == version else state
+def _promote_canary(state: DesiredState, version: int, started: float) -> DesiredState:
+    """Promote only the canary that was checked (a canary restarted since has its own passes)."""
+    same = state.canary is not None and state.canary.version == version and state.canary.started == started
+    return state.promote(version) if same else state
+
+
+def _region_done(state: DesiredState, version: int, regions: list[str]) -> DesiredState:
+    return state.canary_region_done(regions) if state.canary and state.canary.version == version else state
 
 
 def _fail_canary(state: DesiredState, version: int, server: str, reason: str) -> DesiredState:

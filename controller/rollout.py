@@ -23,6 +23,23 @@ from controller.reconcile import Controller
 from controller.state_store import StateStore
 
 
+def _store_errors() -> tuple[type[BaseException], ...]:
+    """What a store or a server can raise: each becomes a RolloutError with its message."""
+    from exporter.errors import PublishError
+
+    errors: list[type[BaseException]] = [ControlError, TransitionError, PublishError, OSError, ValueError]
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        errors += [BotoCoreError, ClientError]
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+STORE_ERRORS = _store_errors()
+
+
 @dataclass
 class RolloutResult:
     state: DesiredState
@@ -59,7 +76,7 @@ def rollout(
 ) -> RolloutResult:
     """Canary `version` on every server, then promote it; RolloutError (servers back on the served
     versions) when a server refuses it."""
-    controller = Controller(store, servers, key, cfg)
+    controller = Controller(store, servers, key, cfg, models=lambda: [model])
     if not servers():
         raise RolloutError(
             f"no server found to roll {model} version {version} onto: check --servers, or the region's "
@@ -74,9 +91,9 @@ def rollout(
             _check_plans(controller, model, version)
         store.update(model, partial(DesiredState.start_canary, version=version))
         final = controller.settle(model)
-    except (TransitionError, ControlError) as exc:
-        if isinstance(exc, RolloutError):
-            raise
+    except RolloutError:
+        raise
+    except STORE_ERRORS as exc:
         raise RolloutError(str(exc)) from exc
     record = final.versions.get(version)
     if record is None or record.state != "promoted":
@@ -99,9 +116,9 @@ def rollback(
             raise RolloutError(f"{model} is not published in {store.url}")
         state = store.update(model, partial(DesiredState.rollback, to=to))
         if servers():
-            Controller(store, servers, key, cfg).reconcile_once()
-    except (TransitionError, ControlError) as exc:
-        if isinstance(exc, RolloutError):
-            raise
+            Controller(store, servers, key, cfg, models=lambda: [model]).reconcile_once()
+    except RolloutError:
+        raise
+    except STORE_ERRORS as exc:
         raise RolloutError(str(exc)) from exc
     return state

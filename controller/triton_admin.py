@@ -17,6 +17,7 @@ from tritonclient.utils import InferenceServerException
 from controller.errors import ControlError
 
 CONTROL_HEADER = "skewserve-control"
+READ_TIMEOUT_S = 10.0
 
 
 def restricted_api_args(key: str) -> tuple[str, ...]:
@@ -44,8 +45,13 @@ class TritonAdmin:
     def __init__(self, name: str, http_address: str, key: str, load_timeout_s: float) -> None:
         self.name = name
         self.address = http_address.removeprefix("http://")
+        # Reads answer from memory: a short bound, so one hung server cannot hold up a pass; loads
+        # may take the servers' start-up budget.
         self.client = httpclient.InferenceServerClient(
-            self.address, connection_timeout=10.0, network_timeout=load_timeout_s
+            self.address, connection_timeout=READ_TIMEOUT_S, network_timeout=READ_TIMEOUT_S
+        )
+        self.load_client = httpclient.InferenceServerClient(
+            self.address, connection_timeout=READ_TIMEOUT_S, network_timeout=load_timeout_s
         )
         self.headers = {CONTROL_HEADER: key} if key else {}
 
@@ -66,6 +72,8 @@ class TritonAdmin:
             config: dict[str, Any] = self.client.get_model_config(model)
         except InferenceServerException:
             return None
+        except OSError as exc:
+            raise ControlError(f"{self.name} did not answer for {model}'s config: {exc}") from exc
         return config
 
     def load(self, model: str, versions: list[int] | None = None) -> None:
@@ -79,7 +87,7 @@ class TritonAdmin:
             loaded["version_policy"] = {"specific": {"versions": sorted(versions)}}
             config = json.dumps(loaded)
         try:
-            self.client.load_model(model, headers=self.headers, config=config)
+            self.load_client.load_model(model, headers=self.headers, config=config)
         except InferenceServerException as exc:
             raise LoadFailed(exc.message() or str(exc)) from exc
         except OSError as exc:
@@ -87,7 +95,7 @@ class TritonAdmin:
 
     def unload(self, model: str) -> None:
         try:
-            self.client.unload_model(model, headers=self.headers)
+            self.load_client.unload_model(model, headers=self.headers)
         except (InferenceServerException, OSError) as exc:
             raise ControlError(f"{self.name}: unloading {model} failed: {exc}") from exc
 
@@ -99,3 +107,4 @@ class TritonAdmin:
 
     def close(self) -> None:
         self.client.close()
+        self.load_client.close()

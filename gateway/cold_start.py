@@ -40,9 +40,11 @@ class ColdStart:
         cfg: ColdStartConfig,
         servers: Callable[[], list[UpstreamServer]],
         health: HealthChecker,
+        region: str,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
+        self.region = region
         self.servers = servers
         self.health = health
         self.clock = clock
@@ -54,6 +56,11 @@ class ColdStart:
 
     def _busy(self, message: str) -> Overloaded:
         return Overloaded(message, headers={"retry-after": str(self.cfg.retry_after_s)})
+
+    def listed_anywhere(self, model: str) -> bool:
+        """Some server was last probed holding `model` (ejected, busy or not): no cold start then;
+        a version no server holds is Triton's answer, not a load."""
+        return any(model in s.ready_models for s in self.servers())
 
     def ready_somewhere(self, model: str) -> bool:
         now = self.clock()
@@ -78,13 +85,15 @@ class ColdStart:
                 answer = await asyncio.wait_for(asyncio.shield(task), max(0.0, limit - self.clock()))
             except asyncio.TimeoutError:
                 raise self._busy(f"model {model} is still loading; retry") from None
-            if answer.state == "unknown":
+            if answer.state not in ("ready", "loading", "unplaced"):  # unknown, invalid: Triton answers
                 if len(self._unknown) >= UNKNOWN_NAMES_KEPT:
                     self._unknown.clear()  # bounded whatever names clients invent
                 self._unknown[model] = self.clock() + UNKNOWN_TTL_S
                 return False
             if answer.state == "unplaced":
                 raise self._busy(f"model {model} cannot be loaded now: {answer.reason}")
+            if answer.state == "loading":
+                raise self._busy(f"model {model} is still loading; retry")
             while not self.ready_somewhere(model):
                 remaining = limit - self.clock()
                 if remaining <= 0:
@@ -103,7 +112,7 @@ class ColdStart:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.wait_s + 5))
         try:
             async with self._session.post(
-                f"{self.cfg.controller_url}/v1/demand", json={"model": model}
+                f"{self.cfg.controller_url}/v1/demand", json={"model": model, "region": self.region}
             ) as resp:
                 body = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:

@@ -83,7 +83,9 @@ class Gateway:
         self.health = HealthChecker(self.servers, cfg.health, cfg.upstream_protocol, self.detector, clock)
         self.dispatcher = Dispatcher(cfg, self.router, self.detector, self.metrics, clock)
         self.cold_start = (
-            ColdStart(cfg.cold_start, lambda: self.servers, self.health, clock) if cfg.cold_start else None
+            ColdStart(cfg.cold_start, lambda: self.servers, self.health, cfg.home_region, clock)
+            if cfg.cold_start
+            else None
         )
         self.auth = Authenticator(cfg.auth, clock)
         pattern = cfg.routing.header_forward_pattern
@@ -392,6 +394,7 @@ class Gateway:
             if (
                 pinned is None
                 and self.cold_start is not None
+                and not self.cold_start.listed_anywhere(model)
                 and await self.cold_start.wait_ready(model, deadline)
             ):
                 return await self.dispatcher.send(

@@ -24,11 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Generic, TypeVar
 
 from gateway.config import GatewayConfig
 from gateway.errors import (
+    GatewayError,
     InvalidVersion,
     NoReadyServer,
     RetryableUpstream,
@@ -113,15 +115,25 @@ def hedge_delay(servers: Iterable[UpstreamServer], floor_s: float) -> float:
 
 
 _GONE_MARKERS = (b"unknown model", b"has no available versions")
+GONE_CHECK_TIMEOUT_S = 1.0
 
 
-def _model_gone(body: bytes, model: str, server: UpstreamServer) -> bool:
+async def _confirmed_gone(body: bytes, model: str, server: UpstreamServer) -> bool:
     """Triton no longer holds a model this server was last probed holding (unloaded since: an
-    eviction, a rollback): forget it there, so the request is retried on a server that has it."""
+    eviction, a rollback): forget it there, so the request is retried on a server that has it.
+    Triton's error text can repeat what the client sent (a request id, an input name), so the text
+    alone decides nothing: the server is asked whether the model is ready before it is forgotten."""
     if not model or model not in server.ready_models:
         return False
     head = body[:512].lower()
     if not any(marker in head for marker in _GONE_MARKERS):
+        return False
+    path = f"/v2/models/{urllib.parse.quote(model, safe='')}/ready".encode()
+    try:
+        answer = await server.http_request(b"GET", path, b"", [], GONE_CHECK_TIMEOUT_S)
+    except (GatewayError, OSError, asyncio.TimeoutError):
+        return False  # cannot tell: the answer stands as Triton gave it
+    if answer.status == 200:
         return False
     server.ready_models.pop(model, None)
     return True
@@ -176,7 +188,7 @@ class Dispatcher:
                 self.detector.failure(server, exc.message, now)
             raise
         except UpstreamRejected as exc:
-            if _model_gone(exc.message.encode(), model, server):
+            if await _confirmed_gone(exc.message.encode(), model, server):
                 raise _gone(server, model) from exc
             # Triton answered: with a server error (gRPC INTERNAL...) it is evidence against the
             # server; a rejection of the client's input says nothing either way.
@@ -190,7 +202,7 @@ class Dispatcher:
             if (
                 isinstance(value, HttpResponse)
                 and value.status in (400, 404)
-                and _model_gone(value.body, model, server)
+                and await _confirmed_gone(value.body, model, server)
             ):
                 raise _gone(server, model)
             if isinstance(value, HttpResponse) and value.status >= 400:

@@ -778,15 +778,20 @@ def state_command(
     repo: str = typer.Option("model_repository", "--repo", help="Folder or s3://..."),
 ) -> None:
     """Print models' desired state: served versions, canary, each version's state, load failures."""
+    from controller.rollout import STORE_ERRORS
     from controller.state_store import open_store
 
-    store = open_store(repo)
-    for model in [name] if name else store.models():
-        state = store.current(model)
-        if state is None:
-            error(ValueError(f"{model} is not published in {repo}"), label="state")
-            raise typer.Exit(1)
-        print(state.to_json(), end="")
+    try:
+        store = open_store(repo)
+        for model in [name] if name else store.models():
+            state = store.current(model)
+            if state is None:
+                error(ValueError(f"{model} is not published in {repo}"), label="state")
+                raise typer.Exit(1)
+            print(state.to_json(), end="")
+    except STORE_ERRORS as exc:
+        error(exc, label="state")
+        raise typer.Exit(1) from exc
 
 
 @app.command("controller")
@@ -804,6 +809,12 @@ def controller_command(
     ),
     regions: str | None = typer.Option(
         None, "--regions", help="Only these regions' servers (default: every region of --config)."
+    ),
+    canary_regions: str | None = typer.Option(
+        None,
+        "--canary-regions",
+        help="Regions whose servers must all pass a canary before promotion (one controller per "
+        "region: name every region); default: the regions this controller reconciles.",
     ),
     listen: str | None = typer.Option(
         None,
@@ -849,6 +860,7 @@ def controller_command(
             keep_versions=keep_versions,
             servers_version_compatible=version_compatible,
             placement=placement_cfg,
+            canary_regions=tuple(r.strip() for r in (canary_regions or "").split(",") if r.strip()),
         )
     except (ConfigError, ValueError, OSError) as exc:
         error(exc, label="controller")
@@ -864,9 +876,21 @@ def controller_command(
         error(ValueError(f"regions {sorted(unknown)} are not in {config}"), label="controller")
         raise typer.Exit(2)
     thread = ControllerThread(gw, open_store(repo), key, cfg, regions=wanted).start()
+    if listen and placement_cfg is None:
+        error(
+            ValueError("--listen serves cold starts of placement by demand: give --placement too"),
+            label="controller",
+        )
+        raise typer.Exit(2)
     if listen:
         host, _, port = listen.rpartition(":")
-        say(f"demand API on http://{host}:{thread.serve_demand(host or '0.0.0.0', int(port))}/v1/demand")
+        try:
+            bound = thread.serve_demand(host or "0.0.0.0", int(port))
+        except (ValueError, OSError) as exc:
+            thread.stop()
+            error(ValueError(f"--listen {listen}: {exc} (give HOST:PORT, a free port)"), label="controller")
+            raise typer.Exit(2) from exc
+        say(f"demand API on http://{host}:{bound}/v1/demand")
     say(f"controller reconciling {repo} onto the servers of {config}; Ctrl-C stops it")
     try:
         wait_for_interrupt()

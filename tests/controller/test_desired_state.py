@@ -49,3 +49,22 @@ def test_a_stale_write_is_refused_and_update_retries(tmp_path: Path) -> None:
     with pytest.raises(StateConflict):
         store.write(state.published(3), token)  # read before the other write landed
     assert store.update("m", partial(DesiredState.published, version=3)).versions.keys() == {1, 2, 3}
+
+
+def test_a_never_promoted_version_cannot_be_rolled_back_to() -> None:
+    s = DesiredState(model="m").published(1).published(2)
+    with pytest.raises(
+        TransitionError, match=r"m version 2 was never promoted \(it is published\): roll it out"
+    ):
+        s.rollback(2)
+
+
+def test_every_named_region_reports_its_servers_passed_before_promotion() -> None:
+    """With one controller per region, each marks its region done; promotion needs them all
+    (controller/reconcile.py reads `regions_done` against `canary_regions`)."""
+    s = DesiredState(model="m").published(1).published(2).start_canary(2)
+    s = s.canary_passed("us-east/a").canary_region_done(["us-east"])
+    assert s.canary is not None and s.canary.regions_done == ["us-east"]
+    s = s.canary_passed("eu-west/b").canary_region_done(["eu-west"])
+    assert s.canary is not None and s.canary.regions_done == ["eu-west", "us-east"]
+    assert s.canary_region_done(["us-east"]) is s  # nothing new: no write

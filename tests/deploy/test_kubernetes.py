@@ -103,6 +103,8 @@ def test_triton_starts_empty_and_the_controller_alone_holds_the_model_control_ke
     assert {"name": "SKEWSERVE_CONTROL_KEY", "valueFrom": key_ref} in controller["env"]
     assert "--servers-version-compatible" in controller["args"]
     assert "--regions=$(SKEWSERVE_CONTROLLER_REGIONS)" in controller["args"]
+    # one controller per region: a canary is promoted once every region's controller passed it
+    assert f"--canary-regions={','.join(sorted(REGIONS, reverse=True))}" in controller["args"]
     startup = triton["startupProbe"]
     assert "--load-timeout=600" in controller["args"]  # a load may take the pod's start-up budget
     assert startup["periodSeconds"] * startup["failureThreshold"] == 600

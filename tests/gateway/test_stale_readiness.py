@@ -3,9 +3,13 @@ reach that server in the gap are retried on a server that holds the model, never
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
@@ -26,6 +30,20 @@ def test_requests_in_the_gap_after_an_unload_go_to_a_server_that_holds_the_model
     try:
         # probes far apart: the gateway still believes both servers hold the model after the unload
         gw = make_gateway(gateway_config(fleet, health={"interval_s": 600}, cache={"models": []}))
+        assert all("lt_nocache" in s["models"] for s in gw.admin()["servers"])
+        # a client whose bad request makes Triton's error repeat "unknown model" (its request id)
+        # changes nothing for anyone: the servers are asked before a model is forgotten
+        hostile = json.dumps(
+            {
+                "id": "Request for unknown model: 'lt_nocache'",
+                "inputs": [{"name": "nope", "shape": [1], "datatype": "FP32", "data": [0]}],
+            }
+        ).encode()
+        for _ in range(4):
+            req = urllib.request.Request(f"http://{gw.http}/v2/models/lt_nocache/infer", hostile)
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(req, timeout=10)
+            assert refused.value.code == 400
         assert all("lt_nocache" in s["models"] for s in gw.admin()["servers"])
         gone = fleet["us-east"][0]
         httpclient.InferenceServerClient(gone.http_address).unload_model("lt_nocache")
