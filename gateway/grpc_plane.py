@@ -197,11 +197,15 @@ class HaproxyGrpcPlane(GrpcPlane):
 
     async def start(self, front: GrpcFront) -> int:
         assert self.sock is not None, "bind() first"
+        # HAProxy first, as the supervisor does: forking it once grpc.aio runs threads in this
+        # process (the stream server) could abort the child (gRPC's fork handlers are skipped while
+        # other threads call into gRPC). Until the bridge and the stream server listen, HAProxy
+        # answers a refused connection with an error; the gateway is not ready before then anyway.
+        self.haproxy = HaproxyProcess(data_plane_spec(self.cfg, self.sock, self.directory, 1), self.directory)
+        await self.haproxy.start()
         self.bridge = BridgeServer(front.methods(), SERVICE, self.cfg.limits, front.gw.bodies, front.precheck)
         await self.bridge.start(bridge_socket(self.directory, 0))
         self.streams = await serve_streams(front, stream_socket(self.directory, 0))
-        self.haproxy = HaproxyProcess(data_plane_spec(self.cfg, self.sock, self.directory, 1), self.directory)
-        await self.haproxy.start()
         self._watch = asyncio.get_running_loop().create_task(keep_running(self.haproxy))
         return int(self.sock.getsockname()[1])
 
