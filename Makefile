@@ -20,7 +20,7 @@ TORCH_PIN := $(shell grep -E '^torch==' requirements.in)
 PYTEST_ARGS ?=
 # Test files run in parallel, one file per worker at a time (`--dist loadfile` keeps a file's shared
 # Triton fleet in one worker); most tests wait on the processes they start rather than on the CPU.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 LOCK_ARGS ?=
 
 .PHONY: setup demo test test-latest lock lock-upgrade lint bench-training bench-gateway clean

@@ -133,12 +133,19 @@ class HttpPool:
         body: bytes = b"",
         headers: list[tuple[bytes, bytes]] | None = None,
         timeout_s: float = 30.0,
+        fresh: bool = False,
     ) -> HttpResponse:
-        """Send one request; UpstreamUnavailable/UpstreamTimeout mean Triton produced no response."""
+        """Send one request; UpstreamUnavailable/UpstreamTimeout mean Triton produced no response.
+        `fresh`: a new connection, not a pooled one (the retry after a pooled one was found dead)."""
         conn = None
-        while self._idle:
+        while self._idle and not fresh:
             candidate = self._idle.pop()
-            if not candidate.closed:
+            # A killed server's pooled connections are closed before their close is reported.
+            if (
+                not candidate.closed
+                and candidate.transport is not None
+                and not candidate.transport.is_closing()
+            ):
                 conn = candidate
                 break
         reused = conn is not None
@@ -161,9 +168,17 @@ class HttpPool:
         conn.waiter = loop.create_future()
         conn.got_bytes = False
         assert conn.transport is not None
-        conn.transport.write(b"".join(head) + body if len(body) < 65536 else b"".join(head))
-        if len(body) >= 65536:
-            conn.transport.write(body)
+        try:
+            conn.transport.write(b"".join(head) + body if len(body) < 65536 else b"".join(head))
+            if len(body) >= 65536:
+                conn.transport.write(body)
+        except (RuntimeError, OSError) as exc:  # the transport closed under us (uvloop raises RuntimeError)
+            conn.close()
+            if reused:
+                return await self.request(method, path, body, headers, timeout_s, fresh=True)
+            raise UpstreamUnavailable(
+                f"{self.address}: connection closed before the request was sent"
+            ) from exc
         # A timer on the future rather than asyncio.wait_for: same effect, a fraction of its cost.
         timer = loop.call_later(timeout_s, _expire, conn.waiter)
         try:
@@ -175,7 +190,7 @@ class HttpPool:
             conn.close()
             if reused and not conn.got_bytes:
                 # The server closed an idle keep-alive connection as we reused it: one fresh try.
-                return await self.request(method, path, body, headers, timeout_s)
+                return await self.request(method, path, body, headers, timeout_s, fresh=True)
             raise
         except asyncio.CancelledError:
             conn.close()
