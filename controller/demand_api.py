@@ -1,10 +1,15 @@
-"""The controller's demand API: gateways ask for a model no server holds (gateway/cold_start.py).
+"""The controller's API for gateways: demand for a model no server holds (gateway/cold_start.py),
+and the traffic of models in canary (gateway/traffic.py).
 
 `POST /v1/demand {"model": NAME}` records the demand, runs a reconcile pass at once (placement
 gives the model a copy: one load in the whole fleet, however many gateways ask) and answers when
 that pass ended: `ready` (some server holds it), `unplaced` with the reason (no room without
 evicting models in use or worth more), `loading` (not done within the wait) or `unknown` (404: the
 repository has no such model). Bodies are bounded and names checked before anything is done.
+
+`POST /v1/traffic` takes a gateway worker's cumulative tallies of canaries (gateway/traffic_tally.py)
+and answers with what every gateway should do for each model in canary: the stable version to pin
+unversioned requests to, the canary's share of clients and the share of requests to mirror.
 """
 
 from __future__ import annotations
@@ -16,9 +21,13 @@ import re
 from typing import Any
 
 from aiohttp import web
+from pydantic import ValidationError
+
+from gateway.traffic_tally import TrafficReport
 
 logger = logging.getLogger(__name__)
 MAX_BODY = 4096
+MAX_REPORT_BODY = 4 << 20
 MODELS_TTL_S = 5.0
 MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
@@ -43,8 +52,9 @@ class DemandApi:
         return self._models_cache
 
     async def start(self, host: str, port: int) -> int:
-        app = web.Application(client_max_size=MAX_BODY)
+        app = web.Application(client_max_size=MAX_REPORT_BODY)
         app.router.add_post("/v1/demand", self.demand)
+        app.router.add_post("/v1/traffic", self.traffic)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port)
@@ -63,7 +73,10 @@ class DemandApi:
     async def demand(self, request: web.Request) -> web.Response:
         self.asks += 1
         try:
-            body = json.loads(await request.read())
+            raw = await request.read()
+            if len(raw) > MAX_BODY:
+                raise ValueError("too large")
+            body = json.loads(raw)
             model = body.get("model") if isinstance(body, dict) else None
             region = body.get("region", "") if isinstance(body, dict) else ""
         except (ValueError, web.HTTPRequestEntityTooLarge):
@@ -94,3 +107,17 @@ class DemandApi:
             if model in report.unplaced:
                 return self._answer(503, "unplaced", report.unplaced[model])
         return self._answer(202, "loading", f"{model} is not loaded after {self.wait_s:.0f}s")
+
+    async def traffic(self, request: web.Request) -> web.Response:
+        try:
+            raw = await request.read()
+            report = await asyncio.to_thread(TrafficReport.model_validate_json, raw)
+        except web.HTTPRequestEntityTooLarge:
+            return self._answer(413, "invalid", f"a traffic report is at most {MAX_REPORT_BODY} bytes")
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            return self._answer(400, "invalid", f"traffic report: {where}: {first['msg']}")
+        controller = self.thread.controller
+        controller.traffic.add(report)
+        return web.json_response({"models": controller.traffic_plans})

@@ -33,10 +33,36 @@ class VersionRecord(BaseModel):
     reason: str = ""
 
 
+class TrafficGate(BaseModel):
+    """What live and shadow traffic must show before a canary with a traffic share is promoted
+    (controller/traffic_gate.py reads the gateways' reports against it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_requests: int = Field(default=100, ge=1, description="canary (or mirrored) answers before judging")
+    min_per_class: int = Field(default=20, ge=1, description="mirrored answers per class before judging it")
+    agreement: float = Field(
+        default=0.95, ge=0, le=1, description="least share of same-class answers, per class"
+    )
+    max_error_rate: float = Field(
+        default=0.01, ge=0, le=1, description="errors above the stable version's rate"
+    )
+    max_p99_ratio: float = Field(default=1.5, gt=0, description="candidate p99 over the stable version's")
+    max_wait_s: float = Field(
+        default=900.0, gt=0, description="after this, classes still under min_per_class are left unjudged"
+    )
+
+
 class Canary(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     version: int
+    # Traffic once servers passed: `share` of clients (sticky per client key) are answered by the
+    # canary; `shadow` of requests (stratified by class) are mirrored to it, answers never returned.
+    share: float = Field(default=0.0, ge=0, le=1)
+    shadow: float = Field(default=0.0, ge=0, le=1)
+    gate: TrafficGate = Field(default_factory=TrafficGate)
+    report: str = ""  # the gate's latest reading of the gateways' reports, for `skewserve state`
     passed: list[str] = Field(default_factory=list, description="servers whose canary check passed")
     started: float = Field(default_factory=time.time)
     # The controller checking a server now holds a lease: others leave the canary alone until it
@@ -102,7 +128,9 @@ class DesiredState(BaseModel):
             nxt.versions[version] = VersionRecord(state="published")
         return nxt
 
-    def start_canary(self, version: int) -> DesiredState:
+    def start_canary(
+        self, version: int, share: float = 0.0, shadow: float = 0.0, gate: TrafficGate | None = None
+    ) -> DesiredState:
         state = self.state_of(version)
         if self.canary is not None and self.canary.version == version:
             return self  # resumed: the servers that passed stay passed
@@ -115,7 +143,9 @@ class DesiredState(BaseModel):
             raise TransitionError(f"{self.model} version {version} is not published; export it first")
         if version in self.served:
             raise TransitionError(f"{self.model} version {version} is already promoted")
-        nxt = self._next(canary=Canary(version=version))
+        nxt = self._next(
+            canary=Canary(version=version, share=share, shadow=shadow, gate=gate or TrafficGate())
+        )
         nxt.versions[version] = VersionRecord(state="canary")
         nxt.load_failures.pop(version, None)
         return nxt
@@ -139,6 +169,16 @@ class DesiredState(BaseModel):
             return self
         done = sorted({*self.canary.regions_done, *regions})
         return self._next(canary=self.canary.model_copy(update={"regions_done": done}))
+
+    def canary_reported(self, report: str) -> DesiredState:
+        if self.canary is None or self.canary.report == report:
+            return self
+        return self._next(canary=self.canary.model_copy(update={"report": report}))
+
+    @property
+    def observed(self) -> bool:
+        """Whether the canary waits on traffic (a share or shadow) before promotion."""
+        return self.canary is not None and (self.canary.share > 0 or self.canary.shadow > 0)
 
     def canary_failed(self, server: str, reason: str) -> DesiredState:
         assert self.canary is not None

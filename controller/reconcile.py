@@ -17,7 +17,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -32,6 +32,7 @@ from controller.errors import ControlError
 from controller.fleet import ControlledServer
 from controller.placement import ModelView, plan_region
 from controller.state_store import StateStore
+from controller.traffic_gate import TrafficReports, describe, verdict
 from controller.triton_admin import TritonAdmin, loaded_versions
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ class Controller:
         # (region, model) -> when a gateway last asked for it (epoch s); region "" for any region
         self.requested: dict[tuple[str, str], float] = {}
         self._wake: asyncio.Event | None = None
+        # canaries with a traffic share or shadow: the gateways' reports and what they should do
+        self.traffic = TrafficReports()
+        self.traffic_plans: dict[str, dict[str, Any]] = {}
 
     def request_demand(self, model: str, region: str = "") -> None:
         """A gateway of `region` holds requests for `model`: give it a copy there (in every region
@@ -113,6 +117,8 @@ class Controller:
                 continue
             if state is not None:
                 states[model] = state
+        if not self.scoped:
+            self.traffic_plans = traffic_plans(states.values())
         servers = self.servers()
         report.servers = [s.name for s in servers]
         if servers:
@@ -281,6 +287,10 @@ class Controller:
         if not pending:
             if not eligible:
                 return  # no server to check on: a canary never passes by default
+            # the gate reads the gateways' reports, which reach the running controller (its API);
+            # a rollout command's own passes stop at the checks and leave the verdict to it
+            if state.observed and (self.scoped or not self._traffic_gate(state, report)):
+                return
             mine = sorted({s.region for s in eligible})
             marked = self.store.update(model, partial(_region_done, version=canary.version, regions=mine))
             needed = set(self.cfg.canary_regions or mine)
@@ -347,6 +357,34 @@ class Controller:
             report.canary.append(f"{server.name}: {model} version {canary.version} {summary}")
             self.canary_log.append(report.canary[-1])
 
+    def _traffic_gate(self, state: DesiredState, report: PassReport) -> bool:
+        """Judge a canary with a share or shadow on the gateways' reports: True once it passed;
+        a failure puts every server back on the served versions."""
+        canary = state.canary
+        assert canary is not None
+        tally = self.traffic.total(state.model, canary.version, canary.started)
+        found = verdict(canary, tally, time.time())
+        text = f"{found.text}\n{describe(tally)}".strip()
+        self.store.update(state.model, partial(_report_canary, version=canary.version, report=text))
+        if found.decision == "fail":
+            self.store.update(
+                state.model,
+                partial(_fail_canary, version=canary.version, server="traffic gate", reason=found.text),
+            )
+            report.canary.append(
+                f"{state.model} version {canary.version} failed its traffic gate: {found.text}"
+            )
+            self.canary_log.append(report.canary[-1])
+            logger.warning(
+                "%s version %d failed its traffic gate: %s", state.model, canary.version, found.text
+            )
+            return False
+        if found.decision == "wait":
+            report.canary.append(f"{state.model} version {canary.version}: {found.text}")
+            return False
+        report.canary.append(f"{state.model} version {canary.version}: {found.text}")
+        return True
+
     def _check_under_lease(
         self,
         admin: TritonAdmin,
@@ -388,6 +426,8 @@ class Controller:
             state = self.store.current(model)
             if state is None or state.canary is None:
                 return state  # type: ignore[return-value]
+            if state.observed and report.servers and set(report.servers) <= set(state.canary.passed):
+                return state  # checked everywhere: the traffic gate is the running controller's
             if not report.servers:
                 raise ControlError(
                     f"no server found to roll {model} version {state.canary.version} onto: check the "
@@ -426,6 +466,28 @@ def _promote_canary(state: DesiredState, version: int, started: float) -> Desire
     """Promote only the canary that was checked (a canary restarted since has its own passes)."""
     same = state.canary is not None and state.canary.version == version and state.canary.started == started
     return state.promote(version) if same else state
+
+
+def _report_canary(state: DesiredState, version: int, report: str) -> DesiredState:
+    return state.canary_reported(report) if state.canary and state.canary.version == version else state
+
+
+def traffic_plans(states: Iterable[DesiredState]) -> dict[str, dict[str, Any]]:
+    """What gateways do for each model in canary: pin unversioned requests to the stable version,
+    answer `share` of clients from the canary, mirror `shadow` of requests to it."""
+    plans: dict[str, dict[str, Any]] = {}
+    for state in states:
+        canary = state.canary
+        if canary is None or not state.served:
+            continue
+        plans[state.model] = {
+            "stable": max(state.served),
+            "canary": canary.version,
+            "share": canary.share,
+            "shadow": canary.shadow,
+            "started": canary.started,
+        }
+    return plans
 
 
 def _region_done(state: DesiredState, version: int, regions: list[str]) -> DesiredState:

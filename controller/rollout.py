@@ -10,13 +10,14 @@ rollout with nothing loaded anywhere.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
 from controller.canary import plan_refusal
 from controller.config import ControllerConfig
-from controller.desired_state import DesiredState
+from controller.desired_state import DesiredState, TrafficGate
 from controller.errors import ControlError, RolloutError, TransitionError
 from controller.fleet import ControlledServer
 from controller.reconcile import Controller
@@ -44,6 +45,19 @@ STORE_ERRORS = _store_errors()
 class RolloutResult:
     state: DesiredState
     steps: list[str] = field(default_factory=list)
+    observing: bool = False  # checked on every server; the traffic gate has not decided yet
+
+
+def _wait_for_gate(store: StateStore, model: str, wait_s: float) -> DesiredState:
+    """The model's state once its canary ended, or as it is after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = store.current(model)
+        if state is None:
+            raise RolloutError(f"{model} was removed from {store.url} during its rollout")
+        if state.canary is None or time.monotonic() >= deadline:
+            return state
+        time.sleep(min(1.0, max(deadline - time.monotonic(), 0)))
 
 
 def static_servers(urls: list[str]) -> Callable[[], list[ControlledServer]]:
@@ -73,9 +87,17 @@ def rollout(
     servers: Callable[[], list[ControlledServer]],
     key: str = "",
     cfg: ControllerConfig | None = None,
+    share: float = 0.0,
+    shadow: float = 0.0,
+    gate: TrafficGate | None = None,
+    wait_s: float = 0.0,
 ) -> RolloutResult:
     """Canary `version` on every server, then promote it; RolloutError (servers back on the served
-    versions) when a server refuses it."""
+    versions) when a server refuses it.
+
+    With a traffic `share` or `shadow`, the version is promoted by the running controller once its
+    traffic gate passes on the gateways' reports: this returns when every server passed its check
+    (`observing` set), or, with `wait_s`, when the gate decided (or the wait ran out)."""
     controller = Controller(store, servers, key, cfg, models=lambda: [model])
     if not servers():
         raise RolloutError(
@@ -89,8 +111,14 @@ def rollout(
         store.card(model, version)  # published and complete
         if state.canary is None or state.canary.version != version:
             _check_plans(controller, model, version)
-        store.update(model, partial(DesiredState.start_canary, version=version))
+        store.update(
+            model, partial(DesiredState.start_canary, version=version, share=share, shadow=shadow, gate=gate)
+        )
         final = controller.settle(model)
+        if final.canary is not None:
+            final = _wait_for_gate(store, model, wait_s)
+            if final.canary is not None:
+                return RolloutResult(final, controller.canary_log, observing=True)
     except RolloutError:
         raise
     except STORE_ERRORS as exc:

@@ -593,6 +593,31 @@ class ColdStartConfig(_Strict):
     retry_after_s: int = Field(default=5, ge=1, description="Retry-After when a model cannot be loaded now")
 
 
+class TrafficConfig(_Strict):
+    """Canary shares and shadow traffic as the controller's desired state says (gateway/traffic.py)."""
+
+    controller_url: str = Field(
+        pattern=r"^https?://[^/\s]+$", description="the controller's API, e.g. http://controller:8090"
+    )
+    poll_s: float = Field(default=1.0, gt=0, le=60, description="report tallies and read plans this often")
+    sticky_header: str = Field(
+        default="x-skewserve-client",
+        pattern=r"^[A-Za-z0-9-]{1,64}$",
+        description="a client's key for its canary share (else its API key's name, else its address)",
+    )
+    shadow_max_inflight: int = Field(
+        default=16, ge=1, description="mirrored requests in flight at once per worker; more are skipped"
+    )
+    shadow_max_bytes: int = Field(
+        default=1 << 20, ge=0, description="larger requests are not mirrored (their bytes stay held)"
+    )
+    class_output: str = Field(
+        default="probabilities",
+        min_length=1,
+        description="the output whose argmax is an answer's class (a model's only output otherwise)",
+    )
+
+
 class ReloadConfig(_Strict):
     """Live config reload: SIGHUP always re-reads the file; polling it is optional."""
 
@@ -624,6 +649,9 @@ class GatewayConfig(BaseSettings):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     drain: DrainConfig = Field(default_factory=DrainConfig)
     reload: ReloadConfig = Field(default_factory=ReloadConfig)
+    traffic: TrafficConfig | None = Field(
+        default=None, description="canary shares and shadow traffic of models in canary (from the controller)"
+    )
     cold_start: ColdStartConfig | None = Field(
         default=None, description="load models no server holds on demand (the controller's demand API)"
     )

@@ -29,7 +29,9 @@ from gateway.limits import RateLimiter, client_key
 from gateway.metrics import OTHER_MODEL, GatewayMetrics
 from gateway.redis_link import RedisLink
 from gateway.router import Region, RegionRouter
+from gateway.shadow import Shadow
 from gateway.stream_slots import StreamSlots
+from gateway.traffic import Traffic
 from gateway.upstream import UpstreamServer
 from gateway.upstream_grpc import GrpcRelay
 
@@ -87,6 +89,11 @@ class Gateway:
             if cfg.cold_start
             else None
         )
+        # models in canary: pinned versions, canary shares, shadow traffic (from the controller)
+        self.traffic = Traffic(cfg.traffic, lambda: self.servers, cfg.home_region) if cfg.traffic else None
+        self.shadow = Shadow(cfg.traffic, clock) if cfg.traffic else None
+        if self.traffic is not None:
+            self.metrics.attach_traffic(lambda: self.traffic.plans if self.traffic else {})
         self.auth = Authenticator(cfg.auth, clock)
         pattern = cfg.routing.header_forward_pattern
         self._forward_pattern = re.compile(pattern, re.IGNORECASE) if pattern else None
@@ -147,12 +154,18 @@ class Gateway:
         await self.health.probe_all()  # route from the first request on, not after one interval
         self.health.start()
         await self.discovery.start()
+        if self.traffic is not None:
+            await self.traffic.start()
 
     async def stop(self) -> None:
         await self.discovery.stop()
         await self.health.stop()
         if self.cold_start is not None:
             await self.cold_start.close()
+        if self.traffic is not None:
+            await self.traffic.close()
+        if self.shadow is not None:
+            await self.shadow.close()
         for task in list(self._leaving):
             task.cancel()  # each closes its server on the way out
         await asyncio.gather(*self._leaving, return_exceptions=True)
@@ -509,4 +522,5 @@ class Gateway:
             "servers": [s.describe(now) for s in self.servers],
             "servers_draining": self.leaving(),
             "config_reloads": dict(self.reloads),
+            "traffic": None if self.traffic is None else self.traffic.describe(),
         }

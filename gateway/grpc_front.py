@@ -25,6 +25,7 @@ from gateway.cache import cache_key_async
 from gateway.cache_alias import ExactAliases
 from gateway.config import TlsConfig
 from gateway.core import Gateway
+from gateway.dispatch import Attempt
 from gateway.errors import BadRequest, GatewayError, grpc_code_for
 from gateway.grpc_bridge import Precheck
 from gateway.haproxy import PEER_HEADER
@@ -32,6 +33,7 @@ from gateway.infer_body import MAX_UINT64, SHARED_MEMORY_PARAMETERS
 from gateway.limits import client_address
 from gateway.listen import check_free, refused
 from gateway.request_id import checked_request_id, is_valid_request_id, new_request_id
+from gateway.shadow_send import offer_grpc, version_field
 from gateway.statistics import (
     SERVER_HEADER,
     gather_statistics,
@@ -39,6 +41,8 @@ from gateway.statistics import (
     only_allowed,
     statistics_servers,
 )
+from gateway.traffic import Plan, Traffic
+from gateway.traffic_tally import Role
 from gateway.upstream import UpstreamServer
 
 logger = logging.getLogger(__name__)
@@ -49,6 +53,9 @@ _FORWARD_METADATA = ("x-request-id",)
 # worker thread: upb parses ~1 GB/s, so the loop never holds more than ~0.25 ms of it.
 OFF_LOOP_BYTES = 256 * 1024
 
+
+# Answers counted against a canary (the client's own mistakes are not the version's)
+_SERVER_FAULTS = frozenset({"INTERNAL", "UNAVAILABLE", "DEADLINE_EXCEEDED", "UNKNOWN"})
 
 # Methods that answer without a key, as Triton's health endpoints do.
 UNKEYED_METHODS = frozenset({"ServerLive", "ServerReady"})
@@ -150,6 +157,7 @@ class GrpcFront:
         self.gw = gateway
         cfg = gateway.cfg
         self.region_key = cfg.routing.region_header.lower()
+        self.sticky_key = cfg.traffic.sticky_header.lower() if cfg.traffic else ""
         self.timeout_key = cfg.retries.timeout_header.lower()
         self.max_batch = cfg.limits.max_batch_size
         self.max_tensors = cfg.limits.max_tensors
@@ -394,6 +402,8 @@ class GrpcFront:
         gw.inflight += 1
         held = 0
         caller = ""
+        plan: Plan | None = None
+        role: Role | None = None
         try:
             request_id = checked_request_id(sent_id) if sent_id else ""
             # An unknown key is refused before a byte of the message is parsed; the message's bytes
@@ -425,9 +435,18 @@ class GrpcFront:
             deadline = self._deadline(context, md, timeout_us, model)
             passed_on = tuple((k, v) for k, v in md.items() if gw.forwarded(k))
             metadata = (("x-request-id", request_id), *passed_on)
+            if gw.traffic is not None:  # a model in canary: its unversioned requests get a version
+                version, plan, role = gw.traffic.choose(model, version, md.get(self.sticky_key) or caller)
+                if plan is not None:
+                    request = request + version_field(version)
 
-            async def attempt(server: UpstreamServer, timeout_s: float) -> bytes:
-                return await server.grpc_call("ModelInfer", request, timeout_s, metadata)
+            def attempt_with(message: bytes) -> Attempt[bytes]:
+                async def attempt(server: UpstreamServer, timeout_s: float) -> bytes:
+                    return await server.grpc_call("ModelInfer", message, timeout_s, metadata)
+
+                return attempt
+
+            attempt = attempt_with(request)
 
             trailing = [("x-request-id", request_id)]
             # A sequence's answers depend on its state, forwarded metadata's on what it says.
@@ -452,6 +471,9 @@ class GrpcFront:
                 region, server_name = route.region, route.server.name
                 trailing += [("x-skewserve-region", region), ("x-skewserve-server", server_name)]
             context.set_trailing_metadata(tuple(trailing))
+            if role == "stable" and plan is not None and plan.shadow > 0 and sequence_id is None:
+                mirror = attempt_with(request + version_field(plan.canary))
+                offer_grpc(gw, plan, model, raw, mirror, len(request))
             return raw
         except GatewayError as exc:
             status = exc.grpc_code.name
@@ -464,6 +486,8 @@ class GrpcFront:
         finally:
             gw.inflight -= 1
             gw.bodies.release(caller, held)
+            if plan is not None and role is not None:
+                Traffic.record(plan, role, gw.clock() - started, status not in _SERVER_FAULTS)
             gw.metrics.request(model, region, server_name, "grpc", status, gw.clock() - started)
         raise AssertionError("unreachable")
 

@@ -27,7 +27,7 @@ from gateway.auth import Principal
 from gateway.cache import cache_key_async
 from gateway.cache_alias import ExactAliases
 from gateway.core import Gateway
-from gateway.dispatch import check_version
+from gateway.dispatch import Attempt, check_version
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -49,6 +49,7 @@ from gateway.infer_body import (
 )
 from gateway.ops import metrics_response, require_admin, upstreams_response
 from gateway.request_id import checked_request_id, is_valid_request_id, new_request_id
+from gateway.shadow_send import offer_http, versioned_path
 from gateway.statistics import (
     SERVER_HEADER,
     gather_statistics,
@@ -56,6 +57,8 @@ from gateway.statistics import (
     only_allowed,
     statistics_servers,
 )
+from gateway.traffic import Plan, Traffic
+from gateway.traffic_tally import Role
 from gateway.upstream import UpstreamServer
 from gateway.upstream_http import HttpResponse
 
@@ -147,6 +150,7 @@ class HttpFront:
         self.max_batch = cfg.limits.max_batch_size
         self.region_header = cfg.routing.region_header.lower().encode()
         self.timeout_header = cfg.retries.timeout_header.lower().encode()
+        self.sticky_header = cfg.traffic.sticky_header.lower().encode() if cfg.traffic else None
         self.body_timeout_s = cfg.limits.body_read_timeout_s
         self.max_tensors = cfg.limits.max_tensors
         self.inflate_ratio = cfg.limits.max_inflate_ratio
@@ -169,7 +173,9 @@ class HttpFront:
         gw = self.gw
         started = gw.clock()
         content_length = header_length = encoding = None
-        authorization = api_key = request_id = pinned = timeout_ms = None
+        authorization = api_key = request_id = pinned = timeout_ms = sticky = None
+        plan: Plan | None = None
+        role: Role | None = None
         forward: list[tuple[bytes, bytes]] = []
         passed_on = False  # a header routing.header_forward_pattern sends on: the answer may depend on it
         request_ids = 0
@@ -198,6 +204,8 @@ class HttpFront:
                 pinned = v.decode("latin-1")
             elif k == self.timeout_header:
                 timeout_ms = v.decode("latin-1")
+            elif k == self.sticky_header:
+                sticky = v.decode("latin-1")[:256]
             elif gw.forwarded(k.decode("latin-1")):
                 forward.append((k, v))  # checked with the others below
                 passed_on = True
@@ -231,6 +239,8 @@ class HttpFront:
             client = (scope.get("client") or ("",))[0]
             principal = await gw.check_caller(model, authorization, api_key, client)
             caller = gw.caller_of(principal, client)
+            if gw.traffic is not None:  # a model in canary: its unversioned requests get a version
+                version, plan, role = gw.traffic.choose(model, version, sticky or caller)
             # The body is read before the request takes an in-flight slot: a slow upload holds
             # only its connection, bounded by limits.body_read_timeout_s, never the admission limit.
             # Its bytes stay counted against the caller until the request ends.
@@ -276,17 +286,25 @@ class HttpFront:
                 if self.max_batch:
                     self._check_batch(request)
             deadline = gw.deadline(timeout_ms, timeout_us, model)
-            path = scope["raw_path"] + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
+            query = b"?" + scope["query_string"] if scope.get("query_string") else b""
+            path = scope["raw_path"] + query if plan is None else versioned_path(model, version, query)
 
-            async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
-                if request is None:
-                    return as_client_error(await server.http_request(b"POST", path, body, forward, timeout_s))
-                # Triton stops work the gateway has given up on: pass this attempt's bound on.
-                data, n = request.with_timeout(timeout_s)
-                headers = (
-                    forward if n is None else [*forward, (b"inference-header-content-length", b"%d" % n)]
-                )
-                return as_client_error(await server.http_request(b"POST", path, data, headers, timeout_s))
+            def attempt_at(path: bytes) -> Attempt[HttpResponse]:
+                async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
+                    if request is None:
+                        return as_client_error(
+                            await server.http_request(b"POST", path, body, forward, timeout_s)
+                        )
+                    # Triton stops work the gateway has given up on: pass this attempt's bound on.
+                    data, n = request.with_timeout(timeout_s)
+                    headers = (
+                        forward if n is None else [*forward, (b"inference-header-content-length", b"%d" % n)]
+                    )
+                    return as_client_error(await server.http_request(b"POST", path, data, headers, timeout_s))
+
+                return attempt
+
+            attempt = attempt_at(path)
 
             cache_state = None
             # A sequence's answers depend on its server-side state: never cached, never moved.
@@ -319,6 +337,9 @@ class HttpFront:
                 extra.append((b"x-skewserve-cache", b"hit" if cache_state == "hit" else b"miss"))
             status = resp.status
             await self._respond(send, resp, extra)
+            if role == "stable" and plan is not None and plan.shadow > 0 and sequence_id is None:
+                mirror = attempt_at(versioned_path(model, plan.canary, query))
+                offer_http(gw, plan, model, resp, mirror, len(body))
         except GatewayError as exc:
             status = await self._error(send, exc, extra, request_id)
         except Exception as exc:  # unknown: 500 without internals, logged with the request id
@@ -328,6 +349,8 @@ class HttpFront:
             gw.bodies.release(caller, held[0])
             if counted:
                 gw.inflight -= 1
+            if plan is not None and role is not None:
+                Traffic.record(plan, role, gw.clock() - started, status < 500)
             gw.metrics.request(model, route_region, route_server, "http", str(status), gw.clock() - started)
 
     @staticmethod

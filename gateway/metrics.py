@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 OTHER_MODEL = "__other__"
@@ -94,6 +94,47 @@ class _FleetCollector(Collector):
             )
             queue.add_metric([], redis_state["write_queue"])
             yield from (breaker, queue)
+
+
+class _TrafficCollector(Collector):
+    """Canary and shadow tallies (gateway/traffic.py), read at scrape time; they count from a
+    canary's start, so a new canary resets them (Prometheus reads that as a counter reset)."""
+
+    def __init__(self, plans: Callable[[], dict[str, Any]]) -> None:
+        self._plans = plans
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        answers = CounterMetricFamily(
+            "skewserve_gateway_traffic_answers",
+            "Answers of models in canary by version and role (stable, canary, shadow)",
+            labels=["model", "version", "role", "outcome"],
+        )
+        shadow = CounterMetricFamily(
+            "skewserve_gateway_shadow_answers",
+            "Mirrored answers by class of the stable answer and outcome (agree, disagree, error)",
+            labels=["model", "version", "class", "outcome"],
+        )
+        seen = CounterMetricFamily(
+            "skewserve_gateway_shadow_class_seen",
+            "Stable answers of models in shadow by class",
+            labels=["model", "version", "class"],
+        )
+        skipped = CounterMetricFamily(
+            "skewserve_gateway_shadow_skipped",
+            "Requests left unmirrored (shadow busy or request too large)",
+            labels=["model", "version"],
+        )
+        for model, plan in self._plans().items():
+            for role, t in plan.tally.roles.items():
+                version = plan.stable if role == "stable" else plan.canary
+                answers.add_metric([model, version, role, "ok"], t.requests - t.errors)
+                answers.add_metric([model, version, role, "error"], t.errors)
+            for cls, c in plan.tally.classes.items():
+                seen.add_metric([model, plan.canary, cls], c.seen)
+                for outcome in ("agree", "disagree", "error"):
+                    shadow.add_metric([model, plan.canary, cls, outcome], getattr(c, outcome))
+            skipped.add_metric([model, plan.canary], plan.tally.skipped)
+        yield from (answers, shadow, seen, skipped)
 
 
 class GatewayMetrics:
@@ -261,6 +302,9 @@ class GatewayMetrics:
 
     def attach_fleet(self, describe: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_FleetCollector(describe))
+
+    def attach_traffic(self, plans: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(_TrafficCollector(plans))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -719,10 +719,41 @@ def rollout_command(
         "--servers-version-compatible",
         help="The servers run with --backend-config=tensorrt,version-compatible=true.",
     ),
+    share: float = typer.Option(
+        0.0, "--share", min=0.0, max=1.0, help="Share of clients (sticky per client key) the canary answers."
+    ),
+    shadow: float = typer.Option(
+        0.0,
+        "--shadow",
+        min=0.0,
+        max=1.0,
+        help="Share of requests mirrored to the canary (stratified by class; answers never returned).",
+    ),
+    min_requests: int = typer.Option(
+        100, "--min-requests", min=1, help="Gate: canary/mirrored answers first."
+    ),
+    min_per_class: int = typer.Option(20, "--min-per-class", min=1, help="Gate: mirrored answers per class."),
+    agreement: float = typer.Option(
+        0.95, "--agreement", min=0.0, max=1.0, help="Gate: least agreement per class."
+    ),
+    max_error_rate: float = typer.Option(
+        0.01, "--max-error-rate", min=0.0, max=1.0, help="Gate: errors above the stable version's rate."
+    ),
+    max_p99_ratio: float = typer.Option(
+        1.5, "--max-p99-ratio", min=0.01, help="Gate: p99 over the stable's."
+    ),
+    gate_wait: float = typer.Option(
+        900.0, "--gate-wait", min=1.0, help="Gate: seconds after which classes short of samples go unjudged."
+    ),
+    wait: float = typer.Option(
+        0.0, "--wait", min=0.0, help="With --share/--shadow: seconds to wait for the controller's verdict."
+    ),
 ) -> None:
     """Canary a published version on every server (one by one), then promote it in the model's
-    desired state; on a failure every server goes back to the promoted version."""
+    desired state; on a failure every server goes back to the promoted version. With --share or
+    --shadow, the running controller promotes it once the gateways' traffic passes its gate."""
     from controller.config import ControllerConfig
+    from controller.desired_state import TrafficGate
     from controller.errors import RolloutError
     from controller.rollout import rollout
 
@@ -736,13 +767,64 @@ def rollout_command(
     )
     with control_targets(servers, regions, config, log_dir, repo, "rollout failed") as (store, found, key):
         try:
-            result = rollout(store, name, version, found, key, cfg)
+            gate = TrafficGate(
+                min_requests=min_requests,
+                min_per_class=min_per_class,
+                agreement=agreement,
+                max_error_rate=max_error_rate,
+                max_p99_ratio=max_p99_ratio,
+                max_wait_s=gate_wait,
+            )
+            result = rollout(store, name, version, found, key, cfg, share, shadow, gate, wait)
         except RolloutError as exc:
             error(exc, label="rollout failed")
             raise typer.Exit(1) from exc
     for step in result.steps:
         say(step)
+    if result.observing:
+        say(
+            f"{name} version {version} passed its check on every server; it answers {share:.0%} of clients "
+            f"and {shadow:.0%} of requests are mirrored to it; the running controller promotes it once "
+            f"the traffic gate passes (see `skewserve canary {name}`)"
+        )
+        return
     say(f"{name} version {version} promoted; served: {', '.join(map(str, result.state.served))}")
+
+
+@app.command("canary")
+def canary_command(
+    name: str = typer.Argument(..., help="Model name."),
+    repo: str = typer.Option("model_repository", "--repo", help="Folder or s3://..."),
+) -> None:
+    """Print a model's canary: version, traffic share, shadow share, servers passed, and the traffic
+    gate's latest reading (per-class agreement of shadow answers, errors, p99)."""
+    from controller.rollout import STORE_ERRORS
+    from controller.state_store import open_store
+
+    try:
+        state = open_store(repo).current(name)
+    except STORE_ERRORS as exc:
+        error(exc, label="canary")
+        raise typer.Exit(1) from exc
+    if state is None:
+        error(ValueError(f"{name} is not published in {repo}"), label="canary")
+        raise typer.Exit(1)
+    canary = state.canary
+    if canary is None:
+        last = max((v for v, r in state.versions.items() if r.state in ("promoted", "failed")), default=None)
+        tail = (
+            ""
+            if last is None
+            else f"; version {last}: {state.versions[last].state} ({state.versions[last].reason})"
+        )
+        print(f"{name}: no canary; served: {', '.join(map(str, state.served))}{tail}")
+        return
+    print(
+        f"{name}: version {canary.version} in canary beside {', '.join(map(str, state.served))}; "
+        f"share {canary.share:.0%}, shadow {canary.shadow:.0%}; passed on {len(canary.passed)} servers"
+    )
+    if canary.report:
+        print(canary.report)
 
 
 @app.command("rollback")
@@ -819,8 +901,8 @@ def controller_command(
     listen: str | None = typer.Option(
         None,
         "--listen",
-        help="HOST:PORT of the demand API gateways ask for models no server holds (with --placement; "
-        "the gateways' cold_start.controller_url).",
+        help="HOST:PORT of the controller's API for gateways: traffic of models in canary (the gateways' "
+        "traffic.controller_url) and, with --placement, models no server holds (cold_start.controller_url).",
     ),
     placement: Path | None = typer.Option(
         None,
@@ -876,12 +958,6 @@ def controller_command(
         error(ValueError(f"regions {sorted(unknown)} are not in {config}"), label="controller")
         raise typer.Exit(2)
     thread = ControllerThread(gw, open_store(repo), key, cfg, regions=wanted).start()
-    if listen and placement_cfg is None:
-        error(
-            ValueError("--listen serves cold starts of placement by demand: give --placement too"),
-            label="controller",
-        )
-        raise typer.Exit(2)
     if listen:
         host, _, port = listen.rpartition(":")
         try:
@@ -890,7 +966,10 @@ def controller_command(
             thread.stop()
             error(ValueError(f"--listen {listen}: {exc} (give HOST:PORT, a free port)"), label="controller")
             raise typer.Exit(2) from exc
-        say(f"demand API on http://{host}:{bound}/v1/demand")
+        say(
+            f"controller API on http://{host}:{bound}: /v1/traffic (gateways' traffic.controller_url)"
+            + (", /v1/demand (cold_start.controller_url)" if placement_cfg is not None else "")
+        )
     say(f"controller reconciling {repo} onto the servers of {config}; Ctrl-C stops it")
     try:
         wait_for_interrupt()

@@ -225,11 +225,15 @@ class LocalStack:
         self.gateway_config_path.write_text(yaml.safe_dump(self.gateway_config()))
         if self.controlled:
             self._start_controller(timeout_s)
-            if self.controller is not None and self.config.controller.placement is not None:
-                # placement by demand: the gateway asks the controller for models no server holds
+            if self.controller is not None:
+                # the gateway follows canaries' traffic plans and, with placement by demand, asks the
+                # controller for models no server holds
                 port = self.controller.serve_demand("127.0.0.1", 0)
                 cfg = self.gateway_config()
-                cfg.setdefault("cold_start", {"controller_url": f"http://127.0.0.1:{port}"})
+                url = f"http://127.0.0.1:{port}"
+                cfg.setdefault("traffic", {"controller_url": url})
+                if self.config.controller.placement is not None:
+                    cfg.setdefault("cold_start", {"controller_url": url})
                 self.gateway_config_path.write_text(yaml.safe_dump(cfg))
         host = self.config.gateway.get("listen", {}).get("host", "127.0.0.1")
         self.gateway = start_gateway_process(

@@ -1,0 +1,91 @@
+"""The class of each row of an inference answer: the argmax of its class output, read from Triton's
+HTTP answer (JSON data or binary output) or gRPC answer. None when the answer holds no such output
+in a form read here; shadow traffic then skips the request rather than guessing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import service_pb2 as pb
+
+_DTYPES = {
+    "FP32": np.float32,
+    "FP16": np.float16,
+    "FP64": np.float64,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "UINT8": np.uint8,
+}
+
+
+def _rows(values: np.ndarray[Any, Any], shape: list[int]) -> list[str] | None:
+    if not shape or int(np.prod(shape)) != values.size or values.size == 0:
+        return None
+    matrix = values.reshape(-1, shape[-1]) if len(shape) > 1 else values.reshape(1, -1)
+    return [str(int(i)) for i in matrix.argmax(axis=1)]
+
+
+def _pick(outputs: list[Any], name: str, key: Any) -> int | None:
+    """Index of the output called `name`, else of the only output."""
+    names = [key(o) for o in outputs]
+    if name in names:
+        return names.index(name)
+    return 0 if len(outputs) == 1 else None
+
+
+def http_classes(body: bytes, header_length: bytes | None, output: str) -> list[str] | None:
+    try:
+        split = int(header_length) if header_length is not None else len(body)
+        head = json.loads(body[:split])
+        outputs = head["outputs"]
+        i = _pick(outputs, output, lambda o: o.get("name"))
+        if i is None:
+            return None
+        chosen = outputs[i]
+        dtype = _DTYPES.get(chosen.get("datatype", ""))
+        if dtype is None:
+            return None
+        shape = [int(d) for d in chosen["shape"]]
+        if "data" in chosen:
+            return _rows(np.asarray(chosen["data"], dtype=dtype).ravel(), shape)
+        offset = split
+        for o in outputs[:i]:  # binary outputs follow the JSON header in order
+            offset += int(o.get("parameters", {}).get("binary_data_size", 0))
+        size = int(chosen["parameters"]["binary_data_size"])
+        return _rows(np.frombuffer(body[offset : offset + size], dtype=dtype), shape)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return None
+
+
+def grpc_classes(raw: bytes, output: str) -> list[str] | None:
+    try:
+        answer = pb.ModelInferResponse.FromString(raw)
+    except DecodeError:
+        return None
+    outputs = list(answer.outputs)
+    i = _pick(outputs, output, lambda o: o.name)
+    if i is None:
+        return None
+    chosen = outputs[i]
+    dtype = _DTYPES.get(chosen.datatype)
+    if dtype is None:
+        return None
+    shape = list(chosen.shape)
+    try:
+        if i < len(answer.raw_output_contents):
+            return _rows(np.frombuffer(answer.raw_output_contents[i], dtype=dtype), shape)
+        contents = chosen.contents
+        values = (
+            contents.fp32_contents
+            or contents.fp64_contents
+            or contents.int_contents
+            or contents.int64_contents
+        )
+        return _rows(np.asarray(values, dtype=dtype), shape)
+    except ValueError:
+        return None
