@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,6 +33,11 @@ class PlacementConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     server_capacity_bytes: int = Field(gt=0, description="model memory each server may hold")
+    policy: Literal["demand", "lru"] = Field(
+        default="demand",
+        description="demand: copies follow demand, eviction weighs idle time against reload cost; "
+        "lru: one copy per requested model, least recently used evicted (the benchmark's baseline)",
+    )
     target_rps_per_copy: float = Field(default=20.0, gt=0, description="requests per second one copy serves")
     hysteresis: float = Field(default=0.3, ge=0, lt=1)
     default: CopyBounds = CopyBounds()

@@ -31,6 +31,7 @@ from controller.desired_state import DesiredState
 from controller.errors import ControlError
 from controller.fleet import ControlledServer
 from controller.placement import ModelView, plan_region
+from controller.placement_lru import plan_region_lru
 from controller.state_store import StateStore
 from controller.traffic_gate import TrafficReports, describe, verdict
 from controller.triton_admin import TritonAdmin, loaded_versions
@@ -188,7 +189,8 @@ class Controller:
                     {n: min(idle_seconds(members[n], model, now), since_asked) for n in holders},
                 )
             held = {n: {e["name"] for e in st} for n, st in members.items()}
-            plan = plan_region(sorted(members), held, views, self.copies.get(region, {}), cfg)
+            planner = plan_region if cfg.policy == "demand" else plan_region_lru
+            plan = planner(sorted(members), held, views, self.copies.get(region, {}), cfg)
             self.copies[region] = plan.copies
             placed.update(plan.holds)
             report.evictions += plan.evictions

@@ -52,6 +52,7 @@ from gateway.grpc_front import (
 from gateway.haproxy import PEER_HEADER
 from gateway.limits import client_address
 from gateway.request_id import checked_request_id, new_request_id
+from gateway.shadow_send import version_field
 from gateway.upstream import UpstreamServer
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class StreamInfer:
                 gw.bodies.reserve(caller, len(first))
                 held[0] = len(first)
                 req = self._check(await _parse(first), principal)
+                first = self._pinned(req, first)
                 model = req.model_name
                 server = self._server(req, md.get(self.region_key))
                 region, server_name = server.region, server.name
@@ -157,6 +159,18 @@ class StreamInfer:
         _check_tensor_counts(req, self.max_tensors)
         _check_echoed_lengths(req)
         return req
+
+    def _pinned(self, req: pb.ModelInferRequest, raw: bytes) -> bytes:
+        """A message for a model in canary, unversioned: pinned to the stable version (else Triton
+        answers from the newest version a server holds, the canary where it passed its check)."""
+        traffic = self.gw.traffic
+        if traffic is None or req.model_version:
+            return raw
+        version = traffic.stable_pin(req.model_name, "")
+        if not version:
+            return raw
+        req.model_version = version
+        return raw + version_field(version)
 
     def _server(self, req: pb.ModelInferRequest, pinned: str | None) -> UpstreamServer:
         """The stream's one server: the balancer's pick for the first message's model (a sequence's
@@ -284,7 +298,7 @@ class StreamInfer:
                     await gw.check_rate(principal, client)
                     req = await _parse(raw)
                     self._check(req, principal)
-                    await call.write(raw)
+                    await call.write(self._pinned(req, raw))
                 except GatewayError as exc:
                     await out.put(_error_response(req, exc.message))
                 finally:

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 from typing import Any, Protocol
+from urllib.parse import quote
 
 from gateway.core import Gateway
 from gateway.dispatch import check_version
@@ -127,6 +128,11 @@ class GenerateFront:
             caller = gw.caller_of(principal, client)
             forward.append((b"x-request-id", request_id.encode()))
             path = bytes(scope["raw_path"])
+            if gw.traffic is not None and not version:  # a model in canary: its stable version
+                version = gw.traffic.stable_pin(model, version)
+                if version:
+                    last = "generate_stream" if streamed else "generate"
+                    path = f"/v2/models/{quote(model, safe='')}/versions/{version}/{last}".encode()
             if streamed:
                 with gw.streams.hold(caller):
                     # Held in a list the stream empties once Triton has it (minutes of a long

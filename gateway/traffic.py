@@ -78,6 +78,14 @@ class Traffic:
             return plan.stable, plan, "stable"
         return version, None, None
 
+    def stable_pin(self, model: str, version: str) -> str:
+        """For streams and generate (no share, no shadow): the stable version of a model in canary
+        when the request names none and it is ready somewhere, else the version as sent."""
+        if version or not self.plans:
+            return version
+        plan = self.plans.get(model)
+        return plan.stable if plan is not None and self._listed(model, plan.stable) else version
+
     @staticmethod
     def bucket(model: str, client_key: str) -> float:
         """The client's fixed place in [0, 1) for this model."""

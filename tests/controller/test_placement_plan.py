@@ -69,3 +69,22 @@ def test_eviction_prefers_idle_cheap_models_and_refuses_when_only_valuable_ones_
         ["a"], {"a": {"slow_to_load", "cheap"}}, views, {"slow_to_load": 1, "cheap": 1}, relaxed
     )
     assert plan.holds["a"] == {"slow_to_load", "incoming"}  # the cheap reload went
+
+
+def test_lru_baseline_keeps_one_copy_and_evicts_the_least_recently_used() -> None:
+    from controller.placement_lru import plan_region_lru
+
+    views = _views({"hot": 30, "m1": 1, "m2": 1, "m3": 0})
+    plan = plan_region_lru(SERVERS, {}, views, {}, CFG)
+    assert set(plan.copies.values()) == {1}  # one copy each (the default minimum), whatever the demand
+    # full servers: a new model takes the place of the model idle longest, not in recent use
+    held = {"a": {"m1", "m2"}, "b": {"hot", "m3"}, "c": {"x", "y"}}
+    views = {
+        **_views({"hot": 30, "m1": 0, "m2": 0, "m3": 0, "x": 0, "y": 0}),
+        "new": ModelView("new", 100, 1.0, 1.0, {}),
+    }
+    views["m1"] = ModelView("m1", 100, 0, 1.0, {"a": 3.0})  # in recent use: spared
+    views["y"] = ModelView("y", 100, 0, 60.0, {"c": 500.0})  # idle longest, however costly to reload
+    plan = plan_region_lru(SERVERS, held, views, {}, CFG)
+    assert plan.holds["c"] == {"x", "new"} and plan.evictions == ["c: y (least recently used, room for new)"]
+    assert _within_capacity(plan.holds, views)

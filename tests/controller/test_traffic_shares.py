@@ -98,6 +98,28 @@ def _skewed_stream(
     return stream
 
 
+def _grpc_versions(address: str, rows: np.ndarray) -> tuple[str, str]:
+    """The version answering an unversioned gRPC ModelInfer, and a ModelStreamInfer message."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        inp = grpcclient.InferInput("features", list(rows.shape), "FP32")
+        inp.set_data_from_numpy(rows)
+        unary = client.infer("lt", [inp]).get_response().model_version
+        results: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("lt", [inp])
+        result, error = results.get(timeout=60)
+        client.stop_stream()
+        assert error is None, error
+        return unary, result.get_response().model_version
+    finally:
+        client.close()
+
+
 @pytest.mark.slow
 def test_canary_share_shadow_traffic_and_the_traffic_gate(
     small_artifact: Path, small_data: Path, tmp_path: Path, prepared_triton: PreparedTriton
@@ -179,6 +201,7 @@ def test_canary_share_shadow_traffic_and_the_traffic_gate(
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda item: _infer(gw.http, item[0], "shadowed"), stream))
         assert {g["model_version"] for g in got} == {"2"}
+        assert _grpc_versions(gw.grpc, stream[0][0]) == ("2", "2")  # unary and stream pinned too
         state = store.current("lt")
         assert state is not None and state.canary is not None
         tally = thread.controller.traffic.total("lt", 3, state.canary.started)
