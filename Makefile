@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 LOCK_ARGS ?=
 
-.PHONY: setup demo test test-latest lock lock-upgrade lint bench-training bench-gateway clean
+.PHONY: setup demo test test-latest lock lock-upgrade lint bench-training bench-gateway bench-placement clean
 
 setup: $(STAMP) $(APT_STAMP)
 
@@ -114,6 +114,9 @@ bench-training: setup
 
 bench-gateway: setup
 	$(BIN)/python benchmarks/gateway_bench.py
+
+bench-placement: setup
+	$(BIN)/python benchmarks/placement_bench.py
 
 clean:
 	rm -rf $(VENV) $(VENV_LATEST) $(TOOLS) runs demo-output .pytest_cache

@@ -7,6 +7,7 @@ from pathlib import Path
 
 AFFINE_MODEL_PY = """
 import json
+import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -17,11 +18,14 @@ class TritonPythonModel:
         params = cfg.get("parameters", {})
         self.scale = float(params.get("scale", {}).get("string_value", "2.0"))
         self.fail = params.get("fail_reason", {}).get("string_value", "")
+        self.sleep_s = float(params.get("sleep_s", {}).get("string_value", "0"))
         if self.fail:
             raise pb_utils.TritonModelException(self.fail)
 
     def execute(self, requests):
         responses = []
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
             y = (x * self.scale + 1.0).astype(np.float32)
@@ -41,13 +45,20 @@ parameters [ {{ key: "scale" value: {{ string_value: "{scale}" }} }} {extra} ]
 
 
 def write_affine_model(
-    repo: Path, name: str = "affine", scale: float = 2.0, fail_reason: str = "", version: int = 1
+    repo: Path,
+    name: str = "affine",
+    scale: float = 2.0,
+    fail_reason: str = "",
+    version: int = 1,
+    sleep_s: float = 0.0,
 ) -> Path:
     """Write a model computing OUTPUT0 = INPUT0 * scale + 1 with both config profiles."""
     model_dir = repo / name
     (model_dir / str(version)).mkdir(parents=True, exist_ok=True)
     (model_dir / str(version) / "model.py").write_text(AFFINE_MODEL_PY)
     extra = f', {{ key: "fail_reason" value: {{ string_value: "{fail_reason}" }} }}' if fail_reason else ""
+    if sleep_s:  # each batch of requests takes this long: requests stay in flight
+        extra += f', {{ key: "sleep_s" value: {{ string_value: "{sleep_s}" }} }}'
     text = CONFIG.format(name=name, scale=scale, extra=extra)
     (model_dir / "config.pbtxt").write_text(text)
     (model_dir / "configs").mkdir(exist_ok=True)

@@ -19,9 +19,10 @@ from controller.runner import ControllerThread
 from controller.state_store import DiskStateStore
 from gateway.config import RegionConfig, ServerConfig
 from skewserve.triton_dist import PreparedTriton
-from tests.controller.conftest import KEY, controlled_server
+from tests.controller.conftest import KEY, controlled_server, loaded
 from tests.fixtures_models import write_affine_model
 from tests.gateway.conftest import gateway_config, launch_gateway
+from tests.waiting import wait_until
 
 BODY = json.dumps(
     {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1.0] * 4}]}
@@ -115,3 +116,67 @@ def test_cold_model_is_loaded_once_for_its_first_requests(
             thread.stop()
         for s in servers:
             s.stop()
+
+
+@pytest.mark.slow
+def test_an_eviction_lets_the_requests_in_flight_finish(
+    tmp_path: Path, prepared_triton: PreparedTriton
+) -> None:
+    """One server with room for one model: a cold model's first request evicts the model whose
+    requests are in flight (LRU, no recent-use guard: the harshest policy), and every one of those
+    requests is answered: Triton unloads a model only once the requests holding it are done."""
+    repo = tmp_path / "repo"
+    write_affine_model(repo, "slow", sleep_s=1.5)
+    write_affine_model(repo, "cold")
+    store = DiskStateStore(repo)
+    placement = PlacementConfig(
+        server_capacity_bytes=int(store.version_bytes("cold", 1) * 1.5 * 1.5),
+        policy="lru",
+        recent_use_guard_s=0,
+        default=CopyBounds(min_copies=0),
+    )
+    cfg = ControllerConfig(interval_s=0.5, load_timeout_s=120, placement=placement)
+    server = controlled_server(repo, "s0", tmp_path / "logs", prepared_triton)
+    thread = gw = None
+    try:
+        server.start()
+        fleet = FleetSpec(
+            [
+                RegionConfig(
+                    name="r",
+                    servers=[ServerConfig(name="s0", http=server.http_address, grpc=server.grpc_address)],
+                )
+            ]
+        )
+        thread = ControllerThread(fleet, store, KEY, cfg).start()
+        port = thread.serve_demand("127.0.0.1", 0)
+        assert thread.wait_first_pass(120)
+        gw = launch_gateway(
+            gateway_config(
+                {"r": [server]},
+                home="r",
+                cache={"models": []},
+                cold_start={"controller_url": f"http://127.0.0.1:{port}"},
+            ),
+            tmp_path / "gw",
+        )
+        assert _infer(gw.http, "slow")[0] == 200  # loaded on demand
+        answers: list[tuple[int, dict[str, str], bytes]] = []
+        slow = [threading.Thread(target=lambda: answers.append(_infer(gw.http, "slow"))) for _ in range(4)]
+        for t in slow:
+            t.start()
+        wait_until(lambda: gw.server("s0")["inflight"] >= 4, 30, "four slow requests in flight")
+        status, _, body = _infer(gw.http, "cold")  # evicts `slow`, whose requests are in flight
+        for t in slow:
+            t.join()
+        assert status == 200, body
+        assert [a[0] for a in answers] == [200] * 4, answers
+        assert all(json.loads(a[2])["outputs"][0]["data"] == [3.0] * 4 for a in answers)
+        assert loaded(server) == {"cold": [1]}
+        assert "successfully unloaded 'slow'" in server.log_text()
+    finally:
+        if gw is not None:
+            gw.stop()
+        if thread is not None:
+            thread.stop()
+        server.stop()

@@ -154,7 +154,11 @@ def test_canary_share_shadow_traffic_and_the_traffic_gate(
                 {"r": servers},
                 home="r",
                 cache={"models": []},
-                traffic={"controller_url": f"http://127.0.0.1:{port}", "poll_s": 0.2},
+                traffic={
+                    "controller_url": f"http://127.0.0.1:{port}",
+                    "poll_s": 0.2,
+                    "shadow_max_inflight": 64,
+                },
             ),
             tmp_path / "gw",
         )
@@ -209,12 +213,17 @@ def test_canary_share_shadow_traffic_and_the_traffic_gate(
         def reported() -> bool:
             nonlocal tally
             tally = thread.controller.traffic.total("lt", 3, state.canary.started)  # type: ignore[union-attr]
-            return sum(c.seen for c in tally.classes.values()) == len(stream) and sum(
+            classified = sum(c.seen for c in tally.classes.values()) + tally.skipped
+            return classified == len(stream) and sum(
                 line.startswith("skewserve_gateway_shadow_answers_total{") and 'version="3"' in line
                 for line in gw.metrics().splitlines()
             ) == 3 * len(tally.classes)
 
-        wait_until(reported, 60, "every answer classified and reported to the controller")
+        try:
+            wait_until(reported, 60, "every answer classified and reported to the controller")
+        except AssertionError as exc:
+            shadow_lines = [line for line in gw.metrics().splitlines() if "shadow" in line]
+            raise AssertionError(f"{exc}: {len(stream)} requests, {tally}, {shadow_lines}") from exc
         rarest = min(tally.classes.values(), key=lambda c: c.seen)
         # uniform sampling at the same share mirrors 15% of each class; stratified, the rare ones whole
         assert rarest.mirrored >= 3 * 0.15 * rarest.seen, tally.classes
