@@ -15,7 +15,8 @@ lowest become the hottest). Policies:
 - everywhere: every server loads every model, capacity ignored: the latency reference where all
   models fit.
 
-Printed per policy: requests, failed requests, p50/p99 for hot (ranks 1-3), warm (4-10) and cold
+Each policy first serves `--warmup` seconds of the first ranking, unmeasured (placement settles),
+then the measured run. Printed per policy: requests, failed requests, p50/p99 for hot (ranks 1-3), warm (4-10) and cold
 (the rest) models, model loads during the run and per hour, and the most memory a server held
 (model footprints over its capacity, sampled every second from what each server has loaded).
 Absolute latencies depend on the machine; compare policies within one run.
@@ -105,13 +106,16 @@ class Sampler:
         self._thread.join()
 
 
-def _locust(target: str, models: list[str], args: argparse.Namespace, out: Path) -> dict[str, dict[str, str]]:
-    """Run the trace; locust's stats rows by request name."""
+def _locust(
+    target: str, models: list[str], args: argparse.Namespace, out: Path, duration: float, shift: bool = True
+) -> dict[str, dict[str, str]]:
+    """Run the trace (the ranking rotated halfway when `shift`); locust's stats rows by request name."""
+    out.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
         "PLACEMENT_MODELS": ",".join(models),
         "PLACEMENT_ZIPF_S": str(args.zipf_s),
-        "PLACEMENT_SHIFT_AT": str(time.time() + args.duration / 2),
+        "PLACEMENT_SHIFT_AT": str(time.time() + (duration / 2 if shift else 1e9)),
         "PLACEMENT_SHIFT": str(len(models) // 2),
         "PLACEMENT_RATE": str(args.rate),
     }
@@ -127,7 +131,7 @@ def _locust(target: str, models: list[str], args: argparse.Namespace, out: Path)
             "--spawn-rate",
             str(args.users),
             "--run-time",
-            f"{args.duration}s",
+            f"{duration:.0f}s",
             "--host",
             target,
             "--csv",
@@ -177,10 +181,13 @@ def run_policy(policy: str, args: argparse.Namespace, work: Path) -> PolicyResul
     )
     result = PolicyResult(policy)
     with LocalStack(cfg, work / policy / "logs") as stack:
+        target = f"http://{stack.gateway_http}"
+        if args.warmup:  # the first ranking until placement settles: not measured
+            _locust(target, models, args, work / policy / "warmup", args.warmup, shift=False)
         sampler = Sampler(stack, stack.control_key, footprint, capacity)
         started = time.monotonic()
         with sampler:
-            rows = _locust(f"http://{stack.gateway_http}", models, args, work / policy)
+            rows = _locust(target, models, args, work / policy, args.duration)
         result.duration_s = time.monotonic() - started
         result.loads = sampler.loads() - sampler.base_loads
         result.loads_timeline = sampler.timeline
@@ -261,10 +268,11 @@ def main() -> None:
     parser.add_argument("--models", type=int, default=30)
     parser.add_argument("--room", type=int, default=8, help="models each server has room for")
     parser.add_argument("--duration", type=int, default=150, help="seconds of load per policy")
+    parser.add_argument("--warmup", type=int, default=30, help="unmeasured seconds of the first ranking")
     parser.add_argument("--users", type=int, default=12)
-    parser.add_argument("--rate", type=float, default=4.0, help="requests per second per user")
+    parser.add_argument("--rate", type=float, default=1.0, help="requests per second per user")
     parser.add_argument("--zipf-s", type=float, default=1.1)
-    parser.add_argument("--target-rps", type=float, default=8.0, help="demand: requests/s one copy serves")
+    parser.add_argument("--target-rps", type=float, default=1.5, help="demand: requests/s one copy serves")
     parser.add_argument("--guard-s", type=float, default=3.0, help="never evict a model used this recently")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/placement.png"))

@@ -17,6 +17,12 @@ class ControllerConfig(BaseModel):
         description="how long one model load may take on a server: the servers' start-up budget",
     )
     lease_s: float = Field(default=30.0, gt=0, description="how long a canary lease outlives its holder")
+    loads_per_server: int = Field(
+        default=2,
+        ge=1,
+        le=16,
+        description="loads one server runs at once (Triton loads in --model-load-thread-count threads, 4 by default)",
+    )
     retry_after_s: float = Field(
         default=30.0, gt=0, description="first wait before loading a version that failed on a server again"
     )

@@ -3,8 +3,9 @@ and the traffic of models in canary (gateway/traffic.py).
 
 `POST /v1/demand {"model": NAME}` records the demand, runs a reconcile pass at once (placement
 gives the model a copy: one load in the whole fleet, however many gateways ask) and answers when
-that pass ended: `ready` (some server holds it), `unplaced` with the reason (no room without
-evicting models in use or worth more), `loading` (not done within the wait) or `unknown` (404: the
+that pass ended: `ready` (some server holds it), `unplaced` with the reason (larger than any server,
+at once; no room without evicting models in use or worth more, once the passes within the wait found
+none), `loading` (not done within the wait) or `unknown` (404: the
 repository has no such model). Bodies are bounded and names checked before anything is done.
 
 `POST /v1/traffic` takes a gateway worker's cumulative tallies of canaries (gateway/traffic_tally.py)
@@ -96,6 +97,7 @@ class DemandApi:
         controller.request_demand(model, region)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_s
+        unplaced = ""
         while loop.time() < deadline:
             report = await self.thread.next_pass(deadline - loop.time())
             if report is None:
@@ -104,8 +106,12 @@ class DemandApi:
                 f": {model} " in f for f in report.failures
             ):
                 return self._answer(200, "ready")
-            if model in report.unplaced:
+            if model in report.unfit:
                 return self._answer(503, "unplaced", report.unplaced[model])
+            # no room now (every model in recent use): a later pass may find one gone idle
+            unplaced = report.unplaced.get(model, unplaced)
+        if unplaced:
+            return self._answer(503, "unplaced", unplaced)
         return self._answer(202, "loading", f"{model} is not loaded after {self.wait_s:.0f}s")
 
     async def traffic(self, request: web.Request) -> web.Response:

@@ -8,8 +8,11 @@ copy fewer by the same margin, so placement does not thrash around a threshold.
 Copies are added hot models first, on the server with the most free bytes. When nothing has room,
 a server makes room by evicting models in order of idle time over the cost of loading them again
 (a model idle for long and cheap to reload goes first; not plain LRU), and never a model used within
-`recent_use_guard_s` (its requests may still be in flight), one worth more per byte than the model
-placed, or a copy its model's minimum needs. A model that still does not fit stays unplaced, with
+`recent_use_guard_s` (its requests may still be in flight), a copy its model's minimum needs, or one
+worth more per byte than the model placed, unless gateways hold requests for that model now and the
+idle one needs no more than one copy (a cold model's waiting requests are served once such a model
+can make room; copies that hot models need are never given up for them). A model whose rate fell
+below `idle_rate` keeps its last copy until another model needs the room. A model that still does not fit stays unplaced, with
 the reason. The plan never puts a server over its capacity.
 """
 
@@ -45,6 +48,12 @@ class PlacementConfig(BaseModel):
     recent_use_guard_s: float = Field(
         default=30.0, ge=0, description="a model used this recently on a server is never evicted there"
     )
+    idle_rate: float = Field(
+        default=0.01,
+        ge=0,
+        description="requests per second below which a model needs no copy beyond its minimum; its last "
+        "copy stays until another model needs the room, and a request loads it again",
+    )
     footprint_overhead: float = Field(
         default=1.5,
         ge=1.0,
@@ -64,6 +73,7 @@ class ModelView:
     rate: float  # requests per second in the region (smoothed)
     load_s: float = 1.0  # how long a load took (the cost of evicting it)
     idle_s: dict[str, float] = field(default_factory=dict)  # per server holding it: since last use
+    asked: bool = False  # a gateway holds requests for it now (a cold start): they need a copy
 
 
 @dataclass
@@ -72,12 +82,13 @@ class Plan:
     copies: dict[str, int]
     unplaced: dict[str, str] = field(default_factory=dict)
     evictions: list[str] = field(default_factory=list)
+    unfit: set[str] = field(default_factory=set)  # larger than any server: unplaced whatever happens
 
 
 def copies_for(rate: float, previous: int, bounds: CopyBounds, cfg: PlacementConfig, servers: int) -> int:
     lo = min(bounds.min_copies, servers)
     hi = min(bounds.max_copies or servers, servers)
-    wanted = math.ceil(rate / cfg.target_rps_per_copy) if rate > 0 else 0
+    wanted = math.ceil(rate / cfg.target_rps_per_copy) if rate >= cfg.idle_rate and rate > 0 else 0
     if previous > 0:
         up = rate > previous * cfg.target_rps_per_copy * (1 + cfg.hysteresis)
         down = rate < (previous - 1) * cfg.target_rps_per_copy * (1 - cfg.hysteresis)
@@ -99,6 +110,9 @@ def plan_region(
     copies = {
         m: copies_for(v.rate, previous.get(m, 0), cfg.bounds(m), cfg, len(servers)) for m, v in models.items()
     }
+    for m, v in models.items():
+        if v.asked and copies[m] == 0 and cfg.bounds(m).max_copies != 0:
+            copies[m] = 1  # requests wait for it now
     holds = {s: {m for m in held.get(s, set()) if m in models} for s in servers}
     plan = Plan(holds, copies)
 
@@ -108,15 +122,18 @@ def plan_region(
     def count(m: str) -> int:
         return sum(1 for s in servers if m in holds[s])
 
+    fresh: set[tuple[str, str]] = set()  # (model, server) placed by this plan: never its victims
+
     def idle(m: str, s: str) -> float:
-        return models[m].idle_s.get(s, math.inf)
+        return -1.0 if (m, s) in fresh else models[m].idle_s.get(s, math.inf)
 
     def evictable(m: str, s: str) -> bool:
         return idle(m, s) >= cfg.recent_use_guard_s
 
-    # Surplus copies go, the longest idle first (never one in recent use: it waits for the next pass).
+    # Surplus copies go, the longest idle first (never one in recent use: it waits for the next pass);
+    # a model's last copy stays until another model needs its room.
     for m in models:
-        surplus = count(m) - copies[m]
+        surplus = min(count(m) - copies[m], count(m) - 1)
         for s in sorted((s for s in servers if m in holds[s]), key=lambda s: -idle(m, s)):
             if surplus <= 0:
                 break
@@ -139,6 +156,10 @@ def plan_region(
     for m in sorted(models, key=lambda m: (-models[m].rate, m)):
         need = copies[m] - count(m)
         fp = models[m].footprint
+        if need > 0 and fp > cap:
+            plan.unplaced[m] = f"{m} needs {fp} bytes, more than a server's capacity of {cap}"
+            plan.unfit.add(m)
+            continue
         while need > 0:
             candidates = [s for s in servers if m not in holds[s]]
             if not candidates:
@@ -155,6 +176,7 @@ def plan_region(
                     )
                     break
             holds[target].add(m)
+            fresh.add((m, target))
             need -= 1
     return plan
 
@@ -168,7 +190,11 @@ def _make_room(m, candidates, holds, models, copies, cfg, used, count, value, id
                 v
                 for v in holds[s]
                 if idle(v, s) >= cfg.recent_use_guard_s
-                and value(v) < value(m)
+                # a model with requests waiting may take the room of an idle one that one copy serves
+                and (
+                    value(v) * (1 + cfg.hysteresis) < value(m)
+                    or (models[m].asked and models[v].rate < cfg.target_rps_per_copy)
+                )
                 and count(v) - 1 >= min(cfg.bounds(v).min_copies, copies[v])
             ),
             key=lambda v: -idle(v, s) / max(models[v].load_s, 0.1),

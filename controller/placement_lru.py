@@ -34,6 +34,10 @@ def plan_region_lru(
         if m in evicted or any(m in holds[s] for s in servers):
             continue
         fp = models[m].footprint
+        if fp > cap:
+            plan.unplaced[m] = f"{m} needs {fp} bytes, more than a server's capacity of {cap}"
+            plan.unfit.add(m)
+            continue
         fits = [s for s in servers if free(s) >= fp]
         target = max(fits, key=lambda s: (free(s), s)) if fits else None
         while target is None:

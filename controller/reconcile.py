@@ -55,6 +55,7 @@ class PassReport:
     placement: dict[str, list[str]] = field(default_factory=dict)  # server -> models it holds
     evictions: list[str] = field(default_factory=list)
     unplaced: dict[str, str] = field(default_factory=dict)
+    unfit: set[str] = field(default_factory=set)  # models larger than any server's capacity
 
 
 class Controller:
@@ -83,6 +84,7 @@ class Controller:
         self.copies: dict[str, dict[str, int]] = {}  # region -> model -> copies
         self.load_s: dict[str, float] = {}  # model -> seconds its loads take (EWMA)
         self.placed: dict[str, set[str]] | None = None  # server -> models it holds
+        self.held_anywhere: set[str] = set()  # models some server had loaded at the pass's start
         self._file_bytes: dict[tuple[str, tuple[int, ...]], int] = {}
         # (region, model) -> when a gateway last asked for it (epoch s); region "" for any region
         self.requested: dict[tuple[str, str], float] = {}
@@ -129,6 +131,7 @@ class Controller:
                     zip(servers, pool.map(lambda s: self._observe(s, report), servers), strict=True)
                 )
                 reachable = {s: stats for s, stats in observed.items() if stats is not None}
+                self.held_anywhere = {m for stats in reachable.values() for m in loaded_versions(stats)}
                 self.placed = self._place(reachable, states, report) if self.cfg.placement else None
                 list(
                     pool.map(lambda item: self._converge(item[0], item[1], states, report), reachable.items())
@@ -187,6 +190,7 @@ class Controller:
                     rate,
                     self.load_s.get(model, 1.0),
                     {n: min(idle_seconds(members[n], model, now), since_asked) for n in holders},
+                    asked=since_asked < DEMAND_HOLD_S and not holders,
                 )
             held = {n: {e["name"] for e in st} for n, st in members.items()}
             planner = plan_region if cfg.policy == "demand" else plan_region_lru
@@ -194,7 +198,10 @@ class Controller:
             self.copies[region] = plan.copies
             placed.update(plan.holds)
             report.evictions += plan.evictions
+            for line in plan.evictions:
+                logger.info("placement in %s: %s", region, line)
             report.unplaced.update(plan.unplaced)
+            report.unfit |= plan.unfit
         report.placement = {n: sorted(ms) for n, ms in placed.items()}
         return placed
 
@@ -219,13 +226,15 @@ class Controller:
         placed = None if self.placed is None else self.placed.get(server.name, set())
         try:
             now = time.monotonic()
+            todo: list[tuple[str, DesiredState, list[int], list[int]]] = []
             # evictions first: they make the room the loads of this pass may need
-            for model, state in sorted(states.items(), key=lambda item: placed is None or item[0] in placed):
+            for model, state in sorted(states.items()):
                 if placed is not None and model not in placed:
                     if model in loaded:
                         try:
                             admin.unload(model)
                             report.loads.append(f"{server.name}: {model} evicted (placement)")
+                            logger.info("%s: %s evicted (placement)", server.name, model)
                         except ControlError as exc:
                             report.failures.append(str(exc))
                     continue
@@ -244,30 +253,19 @@ class Controller:
                             model, partial(DesiredState.load_succeeded, versions=want, server=server.name)
                         )
                     continue
-                key = (server.name, model, tuple(want))
-                retry_at, wait = self._retry_at.get(key, (0.0, self.cfg.retry_after_s))
-                if now < retry_at:
-                    continue
-                started = time.monotonic()
-                try:
-                    admin.load(model, None if want == state.served else want)
-                    took = time.monotonic() - started
-                    self.load_s[model] = 0.5 * took + 0.5 * self.load_s.get(model, took)
-                except ControlError as exc:
-                    reason = str(exc)
-                    self._retry_at[key] = (now + wait, min(wait * 2, 600.0))
-                    missing = [v for v in want if v not in have] or want
-                    for v in missing:
-                        self.store.update(
-                            model,
-                            partial(DesiredState.load_failed, version=v, server=server.name, reason=reason),
-                        )
-                    report.failures.append(f"{server.name}: {model} {want}: {reason}")
-                    logger.warning("%s: loading %s versions %s failed: %s", server.name, model, want, reason)
-                    continue
-                self._retry_at.pop(key, None)
-                report.loads.append(f"{server.name}: {model} {have} -> {want}")
-                logger.info("%s: %s now serves versions %s (was %s)", server.name, model, want, have)
+                retry_at, _ = self._retry_at.get((server.name, model, tuple(want)), (0.0, 0.0))
+                if now >= retry_at:
+                    todo.append((model, state, want, have))
+            # models no server holds first (requests wait for them), then by demand
+            todo.sort(
+                key=lambda t: (t[0] in self.held_anywhere, -self.demand.rate(server.region, t[0]), t[0])
+            )
+            if len(todo) > 1 and self.cfg.loads_per_server > 1:
+                with ThreadPoolExecutor(max_workers=min(self.cfg.loads_per_server, len(todo))) as pool:
+                    list(pool.map(lambda t: self._load(server, t[0], t[1], t[2], t[3], report), todo))
+            else:
+                for model, state, want, have in todo:
+                    self._load(server, model, state, want, have, report, admin)
             for model in [] if self.scoped else sorted(set(loaded) - set(states)):
                 try:
                     admin.unload(model)
@@ -276,6 +274,43 @@ class Controller:
                     report.failures.append(str(exc))
         finally:
             admin.close()
+
+    def _load(
+        self,
+        server: ControlledServer,
+        model: str,
+        state: DesiredState,
+        want: list[int],
+        have: list[int],
+        report: PassReport,
+        admin: TritonAdmin | None = None,
+    ) -> None:
+        """Load `want` of `model` on `server`; a failure is recorded in the state and retried later."""
+        own = admin is None
+        client = self.admin(server) if admin is None else admin
+        key = (server.name, model, tuple(want))
+        _, wait = self._retry_at.get(key, (0.0, self.cfg.retry_after_s))
+        started = time.monotonic()
+        try:
+            client.load(model, None if want == state.served else want)
+            took = time.monotonic() - started
+            self.load_s[model] = 0.5 * took + 0.5 * self.load_s.get(model, took)
+        except ControlError as exc:
+            reason = str(exc)
+            self._retry_at[key] = (started + wait, min(wait * 2, 600.0))
+            for v in [v for v in want if v not in have] or want:
+                self.store.update(
+                    model, partial(DesiredState.load_failed, version=v, server=server.name, reason=reason)
+                )
+            report.failures.append(f"{server.name}: {model} {want}: {reason}")
+            logger.warning("%s: loading %s versions %s failed: %s", server.name, model, want, reason)
+            return
+        finally:
+            if own:
+                client.close()
+        self._retry_at.pop(key, None)
+        report.loads.append(f"{server.name}: {model} {have} -> {want}")
+        logger.info("%s: %s now serves versions %s (was %s)", server.name, model, want, have)
 
     def _advance_canary(
         self, state: DesiredState, servers: list[ControlledServer], report: PassReport

@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # The model this request was admitted to (set by `Gateway.admit` in the request's own task), so
 # metric labels name only models the caller may use.
+COLD_START_ROUNDS = 3  # loads a request waits for when its model keeps being moved away
+
 _ADMITTED: contextvars.ContextVar[str | None] = contextvars.ContextVar("skewserve_admitted", default=None)
 
 
@@ -398,24 +400,26 @@ class Gateway:
         `sequence_id` (stateful models) keeps every request of a sequence on one server, unretried;
         `hedge=False` never sends a second copy (streams).
         """
-        try:
-            return await self.dispatcher.send(
-                model, version, pinned, deadline, attempt, sequence_id=sequence_id, hedge=hedge
-            )
-        except NoReadyServer:
-            # a model no server holds: loaded on demand where the controller places models
-            if (
-                pinned is None
-                and self.cold_start is not None
-                and not self.cold_start.listed_anywhere(model)
-                and await self.cold_start.wait_ready(model, deadline)
-            ):
+        for cold_starts in range(COLD_START_ROUNDS + 1):
+            try:
                 return await self.dispatcher.send(
                     model, version, pinned, deadline, attempt, sequence_id=sequence_id, hedge=hedge
                 )
-            if pinned is None and not self.router.knows_model(model):
-                return await self.dispatcher.send(model, version, None, deadline, attempt, route_any=True)
-            raise
+            except NoReadyServer:
+                # a model no server holds: loaded on demand where the controller places models (again,
+                # when placement moved it away between its load and this request's next try)
+                if (
+                    pinned is None
+                    and cold_starts < COLD_START_ROUNDS
+                    and self.cold_start is not None
+                    and not self.cold_start.listed_anywhere(model)
+                    and await self.cold_start.wait_ready(model, deadline)
+                ):
+                    continue
+                if pinned is None and not self.router.knows_model(model):
+                    return await self.dispatcher.send(model, version, None, deadline, attempt, route_any=True)
+                raise
+        raise AssertionError("unreachable")
 
     async def send_metadata(
         self, model: str, version: str, pinned: str | None, deadline: float, attempt: Attempt[T]

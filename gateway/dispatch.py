@@ -32,11 +32,11 @@ from gateway.config import GatewayConfig
 from gateway.errors import (
     GatewayError,
     InvalidVersion,
+    ModelGone,
     NoReadyServer,
     RetryableUpstream,
     UpstreamRejected,
     UpstreamTimeout,
-    UpstreamUnavailable,
 )
 from gateway.health import OutlierDetector
 from gateway.metrics import GatewayMetrics
@@ -118,16 +118,19 @@ _GONE_MARKERS = (b"unknown model", b"has no available versions")
 GONE_CHECK_TIMEOUT_S = 1.0
 
 
-async def _confirmed_gone(body: bytes, model: str, server: UpstreamServer) -> bool:
-    """Triton no longer holds a model this server was last probed holding (unloaded since: an
+async def _confirmed_gone(body: bytes, model: str, server: UpstreamServer, routed: bool) -> bool:
+    """Triton no longer holds a model the request was routed to this server for (unloaded since: an
     eviction, a rollback): forget it there, so the request is retried on a server that has it.
     Triton's error text can repeat what the client sent (a request id, an input name), so the text
-    alone decides nothing: the server is asked whether the model is ready before it is forgotten."""
-    if not model or model not in server.ready_models:
+    alone decides nothing: the server is asked whether the model is ready before it is forgotten,
+    unless its probe has already seen the model go since the request was routed."""
+    if not model or not routed:
         return False
     head = body[:512].lower()
     if not any(marker in head for marker in _GONE_MARKERS):
         return False
+    if model not in server.ready_models:
+        return True
     path = f"/v2/models/{urllib.parse.quote(model, safe='')}/ready".encode()
     try:
         answer = await server.http_request(b"GET", path, b"", [], GONE_CHECK_TIMEOUT_S)
@@ -139,8 +142,8 @@ async def _confirmed_gone(body: bytes, model: str, server: UpstreamServer) -> bo
     return True
 
 
-def _gone(server: UpstreamServer, model: str) -> UpstreamUnavailable:
-    return UpstreamUnavailable(
+def _gone(server: UpstreamServer, model: str) -> ModelGone:
+    return ModelGone(
         f"{server.region}/{server.name} no longer holds model {model} (unloaded since its last probe)"
     )
 
@@ -163,7 +166,13 @@ class Dispatcher:
         self.hedged_models = set(cfg.hedging.models)
 
     async def _timed(
-        self, route: Route, attempt: Attempt[T], deadline: float, model: str, final: bool = False
+        self,
+        route: Route,
+        attempt: Attempt[T],
+        deadline: float,
+        model: str,
+        final: bool = False,
+        routed: bool = True,
     ) -> T:
         """One attempt. It is cut at retries.attempt_timeout_s so that a hung server is retried
         elsewhere, unless it is the `final` attempt of a request that could retry (no retry would
@@ -188,7 +197,7 @@ class Dispatcher:
                 self.detector.failure(server, exc.message, now)
             raise
         except UpstreamRejected as exc:
-            if await _confirmed_gone(exc.message.encode(), model, server):
+            if await _confirmed_gone(exc.message.encode(), model, server, routed):
                 raise _gone(server, model) from exc
             # Triton answered: with a server error (gRPC INTERNAL...) it is evidence against the
             # server; a rejection of the client's input says nothing either way.
@@ -202,7 +211,7 @@ class Dispatcher:
             if (
                 isinstance(value, HttpResponse)
                 and value.status in (400, 404)
-                and await _confirmed_gone(value.body, model, server)
+                and await _confirmed_gone(value.body, model, server, routed)
             ):
                 raise _gone(server, model)
             if isinstance(value, HttpResponse) and value.status >= 400:
@@ -250,7 +259,8 @@ class Dispatcher:
                     else self.router.route(model, version, pinned, tried, sticky)
                 )
             except NoReadyServer:
-                if last is not None:
+                # a model unloaded everywhere it was routed to is a cold model now, not a failure
+                if last is not None and not isinstance(last, ModelGone):
                     raise last from None
                 raise
             if route.spilled and n == 1:
@@ -271,7 +281,7 @@ class Dispatcher:
                         route, attempt, deadline, model, version, pinned, tried, final
                     )
                 else:
-                    value = await self._timed(route, attempt, deadline, model, final)
+                    value = await self._timed(route, attempt, deadline, model, final, not route_any)
                 return Outcome(value, route, n)
             except RetryableUpstream as exc:
                 last = exc

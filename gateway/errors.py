@@ -100,6 +100,11 @@ class UpstreamUnavailable(RetryableUpstream):
     pass
 
 
+class ModelGone(UpstreamUnavailable):
+    """A server unloaded the model since its last probe (an eviction, a rollback): retried where
+    the model is held, or, held nowhere any more, loaded on demand like any cold model."""
+
+
 class UpstreamTimeout(RetryableUpstream):
     http_status = 504
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
