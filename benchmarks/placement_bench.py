@@ -143,6 +143,7 @@ def _locust(
         env=env,
         check=False,  # locust exits 1 when any request failed: the figures say how many
         stdout=subprocess.DEVNULL,
+        stderr=(out / "locust.log").open("wb"),  # its own summary: the table below says it once
     )
     with (out / "locust_stats.csv").open() as f:
         return {row["Name"]: row for row in csv.DictReader(f)}
