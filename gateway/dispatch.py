@@ -129,7 +129,7 @@ async def _confirmed_gone(body: bytes, model: str, server: UpstreamServer, route
     head = body[:512].lower()
     if not any(marker in head for marker in _GONE_MARKERS):
         return False
-    if model not in server.ready_models:
+    if model not in server.ready_models or _says_gone(body, model):
         return True
     path = f"/v2/models/{urllib.parse.quote(model, safe='')}/ready".encode()
     try:
@@ -140,6 +140,14 @@ async def _confirmed_gone(body: bytes, model: str, server: UpstreamServer, route
         return False
     server.ready_models.pop(model, None)
     return True
+
+
+def _says_gone(body: bytes, model: str) -> bool:
+    """Triton's own answer for a model it does not hold, from its first byte: an echo of a client's
+    words comes after Triton's prefix ("[request id: ...]"), never first. The server may already
+    hold the model again (unloaded and loaded since): the request was not run, so it is retried."""
+    text = body.removeprefix(b'{"error":"')
+    return text.startswith(f"Request for unknown model: '{model}' has no available versions".encode())
 
 
 def _gone(server: UpstreamServer, model: str) -> ModelGone:
