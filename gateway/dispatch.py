@@ -129,7 +129,10 @@ async def _confirmed_gone(body: bytes, model: str, server: UpstreamServer, route
     head = body[:512].lower()
     if not any(marker in head for marker in _GONE_MARKERS):
         return False
-    if model not in server.ready_models or _says_gone(body, model):
+    if model not in server.ready_models:
+        return True
+    if _says_gone(body, model):
+        server.ready_models.pop(model, None)  # the next probe lists it again if it is back
         return True
     path = f"/v2/models/{urllib.parse.quote(model, safe='')}/ready".encode()
     try:
