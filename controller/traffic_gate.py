@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from controller.desired_state import Canary
-from gateway.traffic_tally import ModelTally, RoleTally, TrafficReport
+from gateway.traffic_tally import ModelTally, Role, RoleTally, TrafficReport
 
 Decision = Literal["wait", "pass", "fail"]
 
@@ -97,22 +97,21 @@ def verdict(canary: Canary, tally: ModelTally, now: float) -> Verdict:
     gate = canary.gate
     stable = tally.roles.get("stable", RoleTally())
     waiting: list[str] = []
-    if canary.share > 0:
-        live = tally.roles.get("canary", RoleTally())
-        if live.requests < gate.min_requests:
-            waiting.append(f"{live.requests}/{gate.min_requests} canary answers")
-        else:
-            problem = _latency_and_errors(live, stable, "canary", canary)
-            if problem is not None:
-                return Verdict("fail", problem)
+    candidates: tuple[tuple[Role, float, str], ...] = (
+        ("canary", canary.share, "canary"),
+        ("shadow", canary.shadow, "mirrored"),
+    )
+    for role, share, what in candidates:
+        candidate = tally.roles.get(role, RoleTally())
+        if share <= 0:
+            continue
+        if candidate.requests < gate.min_requests:
+            waiting.append(f"{candidate.requests}/{gate.min_requests} {what} answers")
+            continue
+        problem = _latency_and_errors(candidate, stable, role, canary)
+        if problem is not None:
+            return Verdict("fail", problem)
     if canary.shadow > 0:
-        shadow = tally.roles.get("shadow", RoleTally())
-        if shadow.requests < gate.min_requests:
-            waiting.append(f"{shadow.requests}/{gate.min_requests} mirrored answers")
-        else:
-            problem = _latency_and_errors(shadow, stable, "shadow", canary)
-            if problem is not None:
-                return Verdict("fail", problem)
         short: list[str] = []
         for name, c in sorted(tally.classes.items()):
             judged = c.agree + c.disagree

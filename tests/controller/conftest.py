@@ -3,14 +3,20 @@ model-repository API closed to all but the control key, --strict-readiness=false
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from controller.config import ControllerConfig
-from controller.fleet import ControlledServer
+from controller.fleet import ControlledServer, FleetSpec
+from controller.runner import ControllerThread
+from controller.state_store import StateStore
 from controller.triton_admin import TritonAdmin, restricted_api_args
+from gateway.config import RegionConfig, ServerConfig
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
+from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway
 
 KEY = "test-control-key"
 # Short passes; a lapsed lease lets a restarted controller resume a killed one's canary at once.
@@ -44,3 +50,42 @@ def loaded(server: TritonServer) -> dict[str, list[int]]:
         return admin.loaded()
     finally:
         admin.close()
+
+
+@contextlib.contextmanager
+def controller_and_gateway(
+    servers: list[TritonServer],
+    store: StateStore,
+    cfg: ControllerConfig,
+    workdir: Path,
+    cold_start: bool = False,
+    traffic: dict[str, Any] | None = None,
+) -> Iterator[tuple[ControllerThread, GatewayUnderTest]]:
+    """The controller over `servers` (one region, `r`) with its API, after its first pass, and a
+    gateway asking it for cold models (`cold_start`) and following its traffic plans (`traffic`)."""
+    fleet = FleetSpec(
+        [
+            RegionConfig(
+                name="r",
+                servers=[
+                    ServerConfig(name=s.spec.name, http=s.http_address, grpc=s.grpc_address) for s in servers
+                ],
+            )
+        ]
+    )
+    thread = ControllerThread(fleet, store, KEY, cfg).start()
+    gw = None
+    try:
+        url = f"http://127.0.0.1:{thread.serve_demand('127.0.0.1', 0)}"
+        assert thread.wait_first_pass(120)
+        extra: dict[str, Any] = {}
+        if cold_start:
+            extra["cold_start"] = {"controller_url": url}
+        if traffic is not None:
+            extra["traffic"] = {"controller_url": url, **traffic}
+        gw = launch_gateway(gateway_config({"r": servers}, home="r", cache={"models": []}, **extra), workdir)
+        yield thread, gw
+    finally:
+        if gw is not None:
+            gw.stop()
+        thread.stop()

@@ -13,15 +13,14 @@ from pathlib import Path
 import pytest
 
 from controller.config import ControllerConfig
-from controller.fleet import FleetSpec
 from controller.placement import CopyBounds, PlacementConfig
 from controller.runner import ControllerThread
 from controller.state_store import DiskStateStore
-from gateway.config import RegionConfig, ServerConfig
 from skewserve.triton_dist import PreparedTriton
-from tests.controller.conftest import KEY, controlled_server, loaded
+from skewserve.triton_process import TritonServer
+from tests.controller.conftest import controlled_server, controller_and_gateway, loaded
 from tests.fixtures_models import write_affine_model
-from tests.gateway.conftest import gateway_config, launch_gateway
+from tests.gateway.conftest import GatewayUnderTest
 from tests.waiting import wait_until
 
 BODY = json.dumps(
@@ -57,69 +56,43 @@ def test_cold_model_is_loaded_once_for_its_first_requests(
     )
     cfg = ControllerConfig(interval_s=0.5, load_timeout_s=120, placement=placement)
     servers = [controlled_server(repo, n, tmp_path / "logs", prepared_triton) for n in ("s0", "s1")]
-    thread = gw = None
     try:
         for s in servers:
             s.start()
-        fleet = FleetSpec(
-            [
-                RegionConfig(
-                    name="r",
-                    servers=[
-                        ServerConfig(name=s.spec.name, http=s.http_address, grpc=s.grpc_address)
-                        for s in servers
-                    ],
-                )
-            ]
-        )
-        thread = ControllerThread(fleet, store, KEY, cfg).start()
-        port = thread.serve_demand("127.0.0.1", 0)
-        assert thread.wait_first_pass(120)
-        gw = launch_gateway(
-            gateway_config(
-                {"r": servers},
-                home="r",
-                cache={"models": []},
-                cold_start={"controller_url": f"http://127.0.0.1:{port}"},
-            ),
-            tmp_path / "gw",
-        )
-        logs = lambda: "".join(s.log_text() for s in servers)  # noqa: E731
-        assert "successfully loaded 'cold'" not in logs()
-
-        answers: list[tuple[int, dict[str, str], bytes]] = []
-        clients = [threading.Thread(target=lambda: answers.append(_infer(gw.http, "cold"))) for _ in range(8)]
-        for c in clients:
-            c.start()
-        for c in clients:
-            c.join()
-        assert [a[0] for a in answers] == [200] * 8, answers
-        assert all(json.loads(a[2])["outputs"][0]["data"] == [3.0] * 4 for a in answers)
-        assert logs().count("successfully loaded 'cold'") == 1  # one load in the whole fleet
-
-        status, headers, body = _infer(gw.http, "big")
-        assert status == 503 and headers.get("retry-after") == "5", (status, body)
-        reason = json.loads(body)["error"]
-        assert (
-            "model big cannot be loaded now: big needs" in reason
-            and "more than a server's capacity" in reason
-        )
-        assert "successfully loaded 'big'" not in logs()
-
-        api = thread.demand_api
-        assert api is not None
-        asks = api.asks
-        for _ in range(5):  # an invented name: Triton's own answer, and one ask of the controller
-            status, _, body = _infer(gw.http, "no_such_model")
-            assert status in (400, 404) and "unknown model" in json.loads(body)["error"], (status, body)
-        assert api.asks == asks + 1
+        with controller_and_gateway(servers, store, cfg, tmp_path / "gw", cold_start=True) as (thread, gw):
+            _cold_model_once(servers, thread, gw)
     finally:
-        if gw is not None:
-            gw.stop()
-        if thread is not None:
-            thread.stop()
         for s in servers:
             s.stop()
+
+
+def _cold_model_once(servers: list[TritonServer], thread: ControllerThread, gw: GatewayUnderTest) -> None:
+    logs = lambda: "".join(s.log_text() for s in servers)  # noqa: E731
+    assert "successfully loaded 'cold'" not in logs()
+
+    answers: list[tuple[int, dict[str, str], bytes]] = []
+    clients = [threading.Thread(target=lambda: answers.append(_infer(gw.http, "cold"))) for _ in range(8)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    assert [a[0] for a in answers] == [200] * 8, answers
+    assert all(json.loads(a[2])["outputs"][0]["data"] == [3.0] * 4 for a in answers)
+    assert logs().count("successfully loaded 'cold'") == 1  # one load in the whole fleet
+
+    status, headers, body = _infer(gw.http, "big")
+    assert status == 503 and headers.get("retry-after") == "5", (status, body)
+    reason = json.loads(body)["error"]
+    assert "model big cannot be loaded now: big needs" in reason and "more than a server's capacity" in reason
+    assert "successfully loaded 'big'" not in logs()
+
+    api = thread.demand_api
+    assert api is not None
+    asks = api.asks
+    for _ in range(5):  # an invented name: Triton's own answer, and one ask of the controller
+        status, _, body = _infer(gw.http, "no_such_model")
+        assert status in (400, 404) and "unknown model" in json.loads(body)["error"], (status, body)
+    assert api.asks == asks + 1
 
 
 @pytest.mark.slow
@@ -141,46 +114,26 @@ def test_an_eviction_lets_the_requests_in_flight_finish(
     )
     cfg = ControllerConfig(interval_s=0.5, load_timeout_s=120, placement=placement)
     server = controlled_server(repo, "s0", tmp_path / "logs", prepared_triton)
-    thread = gw = None
     try:
         server.start()
-        fleet = FleetSpec(
-            [
-                RegionConfig(
-                    name="r",
-                    servers=[ServerConfig(name="s0", http=server.http_address, grpc=server.grpc_address)],
-                )
-            ]
-        )
-        thread = ControllerThread(fleet, store, KEY, cfg).start()
-        port = thread.serve_demand("127.0.0.1", 0)
-        assert thread.wait_first_pass(120)
-        gw = launch_gateway(
-            gateway_config(
-                {"r": [server]},
-                home="r",
-                cache={"models": []},
-                cold_start={"controller_url": f"http://127.0.0.1:{port}"},
-            ),
-            tmp_path / "gw",
-        )
-        assert _infer(gw.http, "slow")[0] == 200  # loaded on demand
-        answers: list[tuple[int, dict[str, str], bytes]] = []
-        slow = [threading.Thread(target=lambda: answers.append(_infer(gw.http, "slow"))) for _ in range(4)]
-        for t in slow:
-            t.start()
-        wait_until(lambda: gw.server("s0")["inflight"] >= 4, 30, "four slow requests in flight")
-        status, _, body = _infer(gw.http, "cold")  # evicts `slow`, whose requests are in flight
-        for t in slow:
-            t.join()
-        assert status == 200, body
-        assert [a[0] for a in answers] == [200] * 4, answers
-        assert all(json.loads(a[2])["outputs"][0]["data"] == [3.0] * 4 for a in answers)
-        assert loaded(server) == {"cold": [1]}
-        assert "successfully unloaded 'slow'" in server.log_text()
+        with controller_and_gateway([server], store, cfg, tmp_path / "gw", cold_start=True) as (_, gw):
+            _slow_requests_outlive_their_eviction(server, gw)
     finally:
-        if gw is not None:
-            gw.stop()
-        if thread is not None:
-            thread.stop()
         server.stop()
+
+
+def _slow_requests_outlive_their_eviction(server: TritonServer, gw: GatewayUnderTest) -> None:
+    assert _infer(gw.http, "slow")[0] == 200  # loaded on demand
+    answers: list[tuple[int, dict[str, str], bytes]] = []
+    slow = [threading.Thread(target=lambda: answers.append(_infer(gw.http, "slow"))) for _ in range(4)]
+    for t in slow:
+        t.start()
+    wait_until(lambda: gw.server("s0")["inflight"] >= 4, 30, "four slow requests in flight")
+    status, _, body = _infer(gw.http, "cold")  # evicts `slow`, whose requests are in flight
+    for t in slow:
+        t.join()
+    assert status == 200, body
+    assert [a[0] for a in answers] == [200] * 4, answers
+    assert all(json.loads(a[2])["outputs"][0]["data"] == [3.0] * 4 for a in answers)
+    assert loaded(server) == {"cold": [1]}
+    assert "successfully unloaded 'slow'" in server.log_text()
