@@ -791,42 +791,6 @@ def rollout_command(
     say(f"{name} version {version} promoted; served: {', '.join(map(str, result.state.served))}")
 
 
-@app.command("canary")
-def canary_command(
-    name: str = typer.Argument(..., help="Model name."),
-    repo: str = typer.Option("model_repository", "--repo", help="Folder or s3://..."),
-) -> None:
-    """Print a model's canary: version, traffic share, shadow share, servers passed, and the traffic
-    gate's latest reading (per-class agreement of shadow answers, errors, p99)."""
-    from controller.rollout import STORE_ERRORS
-    from controller.state_store import open_store
-
-    try:
-        state = open_store(repo).current(name)
-    except STORE_ERRORS as exc:
-        error(exc, label="canary")
-        raise typer.Exit(1) from exc
-    if state is None:
-        error(ValueError(f"{name} is not published in {repo}"), label="canary")
-        raise typer.Exit(1)
-    canary = state.canary
-    if canary is None:
-        last = max((v for v, r in state.versions.items() if r.state in ("promoted", "failed")), default=None)
-        tail = (
-            ""
-            if last is None
-            else f"; version {last}: {state.versions[last].state} ({state.versions[last].reason})"
-        )
-        print(f"{name}: no canary; served: {', '.join(map(str, state.served))}{tail}")
-        return
-    print(
-        f"{name}: version {canary.version} in canary beside {', '.join(map(str, state.served))}; "
-        f"share {canary.share:.0%}, shadow {canary.shadow:.0%}; passed on {len(canary.passed)} servers"
-    )
-    if canary.report:
-        print(canary.report)
-
-
 @app.command("rollback")
 def rollback_command(
     name: str = typer.Argument(..., help="Model name."),
@@ -874,6 +838,42 @@ def state_command(
     except STORE_ERRORS as exc:
         error(exc, label="state")
         raise typer.Exit(1) from exc
+
+
+@app.command("canary")
+def canary_command(
+    name: str = typer.Argument(..., help="Model name."),
+    repo: str = typer.Option("model_repository", "--repo", help="Folder or s3://..."),
+) -> None:
+    """Print a model's canary: version, traffic share, shadow share, servers passed, and the traffic
+    gate's latest reading (per-class agreement of shadow answers, errors, p99)."""
+    from controller.rollout import STORE_ERRORS
+    from controller.state_store import open_store
+
+    try:
+        state = open_store(repo).current(name)
+    except STORE_ERRORS as exc:
+        error(exc, label="canary")
+        raise typer.Exit(1) from exc
+    if state is None:
+        error(ValueError(f"{name} is not published in {repo}"), label="canary")
+        raise typer.Exit(1)
+    canary = state.canary
+    if canary is None:
+        last = max((v for v, r in state.versions.items() if r.state in ("promoted", "failed")), default=None)
+        tail = (
+            ""
+            if last is None
+            else f"; version {last}: {state.versions[last].state} ({state.versions[last].reason})"
+        )
+        print(f"{name}: no canary; served: {', '.join(map(str, state.served))}{tail}")
+        return
+    print(
+        f"{name}: version {canary.version} in canary beside {', '.join(map(str, state.served))}; "
+        f"share {canary.share:.0%}, shadow {canary.shadow:.0%}; passed on {len(canary.passed)} servers"
+    )
+    if canary.report:
+        print(canary.report)
 
 
 @app.command("controller")

@@ -26,6 +26,7 @@ def test_help_lists_exactly_the_products_commands() -> None:
         "rollout",
         "rollback",
         "state",
+        "canary",
         "controller",
         "up",
         "loadtest",
