@@ -18,7 +18,7 @@ from controller.runner import ControllerThread
 from controller.state_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
-from tests.controller.conftest import controlled_server, controller_and_gateway, loaded
+from tests.controller.conftest import controlled_server, controller_and_gateway
 from tests.fixtures_models import write_affine_model
 from tests.gateway.conftest import GatewayUnderTest
 from tests.waiting import wait_until
@@ -135,5 +135,6 @@ def _slow_requests_outlive_their_eviction(server: TritonServer, gw: GatewayUnder
     assert status == 200, body
     assert [a[0] for a in answers] == [200] * 4, answers
     assert all(json.loads(a[2])["outputs"][0]["data"] == [3.0] * 4 for a in answers)
-    assert loaded(server) == {"cold": [1]}
-    assert "successfully unloaded 'slow'" in server.log_text()
+    # (afterwards LRU may swap them again: both were asked for; what matters happened above)
+    log = server.log_text()
+    assert "successfully unloaded 'slow'" in log and "successfully loaded 'cold'" in log
