@@ -54,7 +54,7 @@ from benchmarks.loadgen import (  # noqa: E402
 from exporter.pipeline import export_artifact  # noqa: E402
 from exporter.triton_config import ConfigOptions  # noqa: E402
 from gateway.config import ListenConfig  # noqa: E402
-from gateway.upstream_http import HttpPool  # noqa: E402
+from gateway.upstream.http_client import HttpPool  # noqa: E402
 from loadtests.wire import binary_request, json_request  # noqa: E402
 from skewserve.gateway_process import start_gateway_process  # noqa: E402
 from skewserve.ports import free_port  # noqa: E402

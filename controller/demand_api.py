@@ -1,5 +1,5 @@
-"""The controller's API for gateways: demand for a model no server holds (gateway/cold_start.py),
-and the traffic of models in canary (gateway/traffic.py).
+"""The controller's API for gateways: demand for a model no server holds (gateway/fleet/cold_start.py),
+and the traffic of models in canary (gateway/fleet/traffic.py).
 
 `POST /v1/demand {"model": NAME}` records the demand, runs a reconcile pass at once (placement
 gives the model a copy: one load in the whole fleet, however many gateways ask) and answers when
@@ -8,7 +8,7 @@ at once; no room without evicting models in use or worth more, once the passes w
 none), `loading` (not done within the wait) or `unknown` (404: the
 repository has no such model). Bodies are bounded and names checked before anything is done.
 
-`POST /v1/traffic` takes a gateway worker's cumulative tallies of canaries (gateway/traffic_tally.py)
+`POST /v1/traffic` takes a gateway worker's cumulative tallies of canaries (gateway/fleet/traffic_tally.py)
 and answers with what every gateway should do for each model in canary: the stable version to pin
 unversioned requests to, the canary's share of clients and the share of requests to mirror.
 """
@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from gateway.traffic_tally import TrafficReport
+from gateway.fleet.traffic_tally import TrafficReport
 
 logger = logging.getLogger(__name__)
 MAX_BODY = 4096

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, cast
 from gateway.config import ConfigError, GatewayConfig, RegionConfig, ServerConfig
 
 if TYPE_CHECKING:
-    from gateway.upstream import UpstreamServer
+    from gateway.upstream.server import UpstreamServer
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,10 @@ class ControlledServer:
 
 
 class ServerSet:
-    """Implements gateway.discovery_source.Fleet, keeping only names and addresses."""
+    """Implements gateway.fleet.discovery_source.Fleet, keeping only names and addresses."""
 
     def __init__(self, fleet: FleetSpec) -> None:
-        # discovery reads `cfg.regions` only (gateway/discovery.py)
+        # discovery reads `cfg.regions` only (gateway/fleet/discovery.py)
         self.cfg = cast(GatewayConfig, fleet)
         cfg = fleet
         self._servers: dict[str, ControlledServer] = {}
@@ -76,14 +76,14 @@ class ServerSet:
         return sorted(self._servers.values(), key=lambda s: s.name)
 
     async def start(self) -> None:
-        from gateway.discovery import Discovery
+        from gateway.fleet.discovery import Discovery
 
         discovery = Discovery(self)
         self.discovery = discovery
         await discovery.start()
 
     async def stop(self) -> None:
-        from gateway.discovery import Discovery
+        from gateway.fleet.discovery import Discovery
 
         if isinstance(self.discovery, Discovery):
             await self.discovery.stop()

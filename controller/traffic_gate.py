@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from controller.desired_state import Canary
-from gateway.traffic_tally import ModelTally, Role, RoleTally, TrafficReport
+from gateway.fleet.traffic_tally import ModelTally, Role, RoleTally, TrafficReport
 
 Decision = Literal["wait", "pass", "fail"]
 

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 from gateway.config import ConfigError, load_gateway_config
-from gateway.grpc_plane import WorkerSlot
-from gateway.listen import ListenError
-from gateway.logs import configure_logging
+from gateway.fronts.grpc_plane import WorkerSlot
+from gateway.fronts.listen import ListenError
+from gateway.operations.logs import configure_logging
 from gateway.server import run
 
 

@@ -594,7 +594,7 @@ class ColdStartConfig(_Strict):
 
 
 class TrafficConfig(_Strict):
-    """Canary shares and shadow traffic as the controller's desired state says (gateway/traffic.py)."""
+    """Canary shares and shadow traffic as the controller's desired state says (gateway/fleet/traffic.py)."""
 
     controller_url: str = Field(
         pattern=r"^https?://[^/\s]+$", description="the controller's API, e.g. http://controller:8090"
@@ -654,6 +654,11 @@ class GatewayConfig(BaseSettings):
     )
     cold_start: ColdStartConfig | None = Field(
         default=None, description="load models no server holds on demand (the controller's demand API)"
+    )
+    step_timing: bool = Field(
+        default=False,
+        description="Time each step of the request pipeline (skewserve_gateway_step_seconds_total): "
+        "two clock reads per step; for benchmarks and diagnosis",
     )
     log_json: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = Field(

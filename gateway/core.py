@@ -14,26 +14,27 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from gateway.auth import Authenticator, Principal
-from gateway.balancer import make_balancer
-from gateway.body_budget import BodyBudget
-from gateway.cache import MemoryCache, RedisCache, ResponseCache
-from gateway.coalesce import Coalescer
-from gateway.cold_start import ColdStart
 from gateway.config import GatewayConfig, ServerConfig
-from gateway.discovery import Discovery
-from gateway.dispatch import WHOLE_DEADLINE, Attempt, Dispatcher, Outcome, SequenceId
 from gateway.errors import BadRequest, NoReadyServer, Overloaded
-from gateway.health import HealthChecker, OutlierDetector
-from gateway.limits import RateLimiter, client_key
-from gateway.metrics import OTHER_MODEL, GatewayMetrics
-from gateway.redis_link import RedisLink
-from gateway.router import Region, RegionRouter
-from gateway.shadow import Shadow
-from gateway.stream_slots import StreamSlots
-from gateway.traffic import Traffic
-from gateway.upstream import UpstreamServer
-from gateway.upstream_grpc import GrpcRelay
+from gateway.fleet.balancer import make_balancer
+from gateway.fleet.cold_start import ColdStart
+from gateway.fleet.discovery import Discovery
+from gateway.fleet.health import HealthChecker, OutlierDetector
+from gateway.fleet.router import Region, RegionRouter
+from gateway.fleet.shadow import Shadow
+from gateway.fleet.traffic import Traffic
+from gateway.operations.metrics import OTHER_MODEL, GatewayMetrics
+from gateway.pipeline.dispatch import WHOLE_DEADLINE, Attempt, Dispatcher, Outcome, SequenceId
+from gateway.pipeline.step_costs import StepCosts
+from gateway.state.auth import Authenticator, Principal
+from gateway.state.body_budget import BodyBudget
+from gateway.state.cache import MemoryCache, RedisCache, ResponseCache
+from gateway.state.coalesce import Coalescer
+from gateway.state.limits import RateLimiter, client_key
+from gateway.state.redis_link import RedisLink
+from gateway.state.stream_slots import StreamSlots
+from gateway.upstream.grpc_relay import GrpcRelay
+from gateway.upstream.server import UpstreamServer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,7 +54,7 @@ class Gateway:
     ) -> None:
         self.cfg = cfg
         self.clock = clock
-        # Upstream gRPC through the HAProxy data plane when it runs (gateway/haproxy.py).
+        # Upstream gRPC through the HAProxy data plane when it runs (gateway/upstream/haproxy.py).
         self.grpc_relay = grpc_relay
         self.metrics = GatewayMetrics()
         regions = [
@@ -81,7 +82,7 @@ class Gateway:
         for server in self.servers:
             self.metrics.server_joined(server.region, server.name)
         self._leaving: set[asyncio.Task[None]] = set()  # removed servers draining, then closed
-        # What config reload (gateway/reload.py) did last: shown in the fleet view.
+        # What config reload (gateway/operations/reload.py) did last: shown in the fleet view.
         self.reloads: dict[str, Any] = {"applied": 0, "refused": 0, "last_refusal": ""}
         self.detector = OutlierDetector(cfg.health, on_eject=self.metrics.ejection, servers=self.servers)
         self.health = HealthChecker(self.servers, cfg.health, cfg.upstream_protocol, self.detector, clock)
@@ -150,6 +151,9 @@ class Gateway:
         self.draining = False  # reports not-ready; still serves
         self.refusing = False  # past the drain grace: new requests get 503
         self.metrics.attach_fleet(self.describe)
+        self.step_costs = StepCosts(cfg.step_timing)
+        if cfg.step_timing:
+            self.metrics.attach_step_costs(self.step_costs)
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -333,7 +337,7 @@ class Gateway:
 
     @staticmethod
     def caller_of(principal: Principal | None, client: str) -> str:
-        """Whom a request's bytes are counted against (gateway/body_budget.py)."""
+        """Whom a request's bytes are counted against (gateway/state/body_budget.py)."""
         return f"key:{principal.name}" if principal is not None else f"client:{client_key(client)}"
 
     def model_label(self, model: str) -> str:

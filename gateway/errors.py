@@ -77,7 +77,7 @@ class Overloaded(GatewayError):
 
 
 class BodiesExhausted(Overloaded):
-    """Request bytes held at once are at their bound (gateway/body_budget.py): 503, or on gRPC
+    """Request bytes held at once are at their bound (gateway/state/body_budget.py): 503, or on gRPC
     RESOURCE_EXHAUSTED (the memory is the resource; UNAVAILABLE would invite a blind retry)."""
 
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -1,11 +1,11 @@
 """Run the gateway: uvicorn (HTTP, and the ops listener) and the gRPC front (behind HAProxy, or
-grpc.aio: gateway/grpc_plane.py) in one event loop, with a graceful drain. Listeners are bound first: a taken port is a ListenError naming its field.
+grpc.aio: gateway/fronts/grpc_plane.py) in one event loop, with a graceful drain. Listeners are bound first: a taken port is a ListenError naming its field.
 
 SIGTERM: report not-ready at once, keep serving for `drain.grace_s` (so load balancers notice),
 then refuse new requests with 503, wait for in-flight ones (bounded), stop both servers and exit.
 A second SIGTERM or SIGINT exits immediately.
 
-SIGHUP: re-read the config file and apply region and server changes live (gateway/reload.py).
+SIGHUP: re-read the config file and apply region and server changes live (gateway/operations/reload.py).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import uvicorn
 
 from gateway.config import GatewayConfig
 from gateway.core import Gateway
-from gateway.grpc_front import GrpcFront
-from gateway.grpc_plane import GrpcioPlane, GrpcPlane, HaproxyGrpcPlane, WorkerGrpcPlane, WorkerSlot
-from gateway.http_front import HttpFront
-from gateway.http_protocol import uvicorn_config
-from gateway.listen import ListenError, bind_listener, bind_shared, bind_unix, write_ready_file
-from gateway.ops import build_ops_app
-from gateway.reload import ConfigReloader
+from gateway.fronts.grpc_front import GrpcFront
+from gateway.fronts.grpc_plane import GrpcioPlane, GrpcPlane, HaproxyGrpcPlane, WorkerGrpcPlane, WorkerSlot
+from gateway.fronts.http_front import HttpFront
+from gateway.fronts.http_protocol import uvicorn_config
+from gateway.fronts.listen import ListenError, bind_listener, bind_shared, bind_unix, write_ready_file
+from gateway.operations.ops import build_ops_app
+from gateway.operations.reload import ConfigReloader
 
 logger = logging.getLogger(__name__)
 

@@ -32,12 +32,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from gateway.config import GatewayConfig
-from gateway.grpc_plane import WorkerSlot, data_plane_spec, keep_running
-from gateway.haproxy import HaproxyProcess, die_with_parent, runtime_dir
-from gateway.http_protocol import uvicorn_config
-from gateway.listen import bind_listener, bind_shared, write_ready_file
-from gateway.metrics_merge import merge_expositions
-from gateway.upstream_http import HttpPool
+from gateway.fronts.grpc_plane import WorkerSlot, data_plane_spec, keep_running
+from gateway.fronts.http_protocol import uvicorn_config
+from gateway.fronts.listen import bind_listener, bind_shared, write_ready_file
+from gateway.operations.metrics_merge import merge_expositions
+from gateway.upstream.haproxy import HaproxyProcess, die_with_parent, runtime_dir
+from gateway.upstream.http_client import HttpPool
 
 logger = logging.getLogger(__name__)
 _PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"

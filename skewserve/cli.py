@@ -1025,8 +1025,8 @@ def gateway_command(
             "give --config FILE (see deploy/gateway.example.yaml)", param_hint="--config"
         )
     from gateway.config import ConfigError, load_gateway_config
-    from gateway.listen import ListenError
-    from gateway.logs import configure_logging
+    from gateway.fronts.listen import ListenError
+    from gateway.operations.logs import configure_logging
     from gateway.server import run
 
     try:
@@ -1074,7 +1074,7 @@ def hash_key_command(
     ),
 ) -> None:
     """Print the SHA-256 to put in the config for an API key (the key itself is never stored)."""
-    from gateway.auth import hash_key
+    from gateway.state.auth import hash_key
 
     if key is not None:
         notice(KEY_IN_HISTORY_WARNING, label="warning", to_stderr=True)

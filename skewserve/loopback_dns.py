@@ -1,7 +1,7 @@
 """A tiny authoritative DNS server on a loopback UDP port: the local stand-in for a headless Service.
 
 The local autoscaler publishes each ready Triton server's address here; the gateway's DNS discovery
-(gateway/discovery.py, `regions[].discover.nameserver`) re-resolves the name and adds or drains
+(gateway/fleet/discovery.py, `regions[].discover.nameserver`) re-resolves the name and adds or drains
 servers exactly as it does in a cluster. Names map to sets of A records, changed at any time.
 """
 

@@ -21,7 +21,7 @@ from controller.rollout import RolloutResult, rollback, rollout
 from controller.runner import ControllerThread
 from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
-from gateway.traffic import Traffic
+from gateway.fleet.traffic import Traffic
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
 from tests.controller.conftest import (

@@ -60,7 +60,7 @@ def test_gateway_extra_carries_no_training_export_or_loadtest_dependency() -> No
 
 def test_gateway_entry_point_imports_nothing_heavy() -> None:
     code = (
-        "import sys; import skewserve.cli, gateway.server, gateway.core, gateway.grpc_front, gateway.http_front; "
+        "import sys; import skewserve.cli, gateway.server, gateway.core, gateway.fronts.grpc_front, gateway.fronts.http_front; "
         "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
     )
     loaded = set(

@@ -152,7 +152,7 @@ def test_loadtest_sends_the_api_key_from_the_environment(served) -> None:
     import csv
     import os
 
-    from gateway.auth import hash_key
+    from gateway.state.auth import hash_key
 
     work, _, server, _ = served
     cfg = gateway_config(

@@ -12,7 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from gateway.auth import hash_key
+from gateway.state.auth import hash_key
 from tests.gateway.conftest import gateway_config, wait_until
 from tests.gateway.relay import TcpRelay
 

@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 from controller.desired_state import DesiredState
 from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
-from gateway.cache import MemoryCache
+from gateway.state.cache import MemoryCache
 from tests.gateway.conftest import gateway_config, start_fleet, stop_fleet, wait_until
 
 SECRET = "0123456789abcdef-test-secret"
@@ -258,7 +258,7 @@ def test_new_model_version_is_never_served_a_stale_entry(
 
 
 def test_byte_identical_repeats_hit_and_near_copies_are_still_read(shared_gateway) -> None:
-    """Repeats of the exact bytes are answered without reading them again (gateway/cache_alias.py):
+    """Repeats of the exact bytes are answered without reading them again (gateway/pipeline/cache_alias.py):
     the answer is the keyed hit's, and bytes that differ (a duplicate key, an id) are read as ever."""
     import json
 

@@ -1,4 +1,4 @@
-"""The HAProxy gRPC data plane (gateway/haproxy.py, gateway/grpc_bridge.py) against real clients:
+"""The HAProxy gRPC data plane (gateway/upstream/haproxy.py, gateway/fronts/grpc_bridge.py) against real clients:
 what a client sends cannot pass for what HAProxy vouches for, compression and size bounds hold,
 malformed transport headers are refused by name, and a dead HAProxy is replaced."""
 

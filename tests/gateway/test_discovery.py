@@ -373,8 +373,8 @@ def test_endpointslice_watch_relists_after_410_and_refuses_a_wrong_token(
 
 def test_usable_endpoints_follow_endpoint_conditions() -> None:
     """Ready (or unset) and not terminating are used; terminating-but-serving only when nothing is ready."""
-    from gateway.discovery_k8s import usable_endpoints
-    from gateway.discovery_source import Endpoint
+    from gateway.fleet.discovery_k8s import usable_endpoints
+    from gateway.fleet.discovery_source import Endpoint
 
     ports = [{"name": "http", "port": 9000}, {"name": "grpc", "port": 9001}]
     slices = {
@@ -471,7 +471,7 @@ def test_discover_needs_exactly_one_source() -> None:
 
 
 def test_a_departed_servers_metric_labels_are_removed_and_late_requests_fold() -> None:
-    from gateway.metrics import DEPARTED_SERVER, GatewayMetrics
+    from gateway.operations.metrics import DEPARTED_SERVER, GatewayMetrics
 
     class Server:
         region, name = "r", "r/10.0.0.1"

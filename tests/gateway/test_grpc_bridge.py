@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from gateway.config import LimitsConfig
-from gateway.grpc_bridge import BridgeServer
+from gateway.fronts.grpc_bridge import BridgeServer
 
 
 async def _serve(path: Path, limits: LimitsConfig) -> BridgeServer:

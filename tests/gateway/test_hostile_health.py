@@ -26,13 +26,13 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from gateway.balancer import RoundRobinBalancer
 from gateway.config import ConfigError, GatewayConfig, HealthConfig, ServerConfig, load_gateway_config
-from gateway.dispatch import check_version
 from gateway.errors import InvalidVersion
-from gateway.health import OutlierDetector
-from gateway.router import Region, RegionRouter, rendezvous
-from gateway.upstream import UpstreamServer
+from gateway.fleet.balancer import RoundRobinBalancer
+from gateway.fleet.health import OutlierDetector
+from gateway.fleet.router import Region, RegionRouter, rendezvous
+from gateway.pipeline.dispatch import check_version
+from gateway.upstream.server import UpstreamServer
 from skewserve.ports import free_port
 from skewserve.triton_process import TritonServer
 from tests.gateway.conftest import GatewayUnderTest, gateway_config, start_fleet, stop_fleet, wait_until

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from gateway.auth import hash_key
+from gateway.state.auth import hash_key
 from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway
 from tests.waiting import wait_until
 
@@ -365,8 +365,8 @@ def test_ipv6_clients_are_limited_per_64_prefix() -> None:
 
     from gateway.config import GatewayConfig
     from gateway.errors import RateLimited
-    from gateway.limits import RateLimiter, client_key
-    from gateway.metrics import GatewayMetrics
+    from gateway.operations.metrics import GatewayMetrics
+    from gateway.state.limits import RateLimiter, client_key
 
     assert client_key("2001:db8:1:2:aaaa::1") == "2001:db8:1:2::/64"
     assert client_key("::ffff:10.0.0.7") == "10.0.0.7" and client_key("10.0.0.7") == "10.0.0.7"
@@ -395,8 +395,8 @@ def test_tampered_redis_entries_are_counted_but_logged_once_per_interval(
 
     import redis
 
-    from gateway.cache import RedisCache
-    from gateway.redis_link import RedisLink
+    from gateway.state.cache import RedisCache
+    from gateway.state.redis_link import RedisLink
 
     async def run() -> None:
         link = RedisLink(redis_url, 1.0, 5, 5.0)
@@ -404,7 +404,7 @@ def test_tampered_redis_entries_are_counted_but_logged_once_per_interval(
         plain = redis.Redis.from_url(redis_url)
         for n in range(50):
             plain.set(f"tamperlog:k{n}", b"x" * 40)  # no valid tag
-        with caplog.at_level(logging.WARNING, logger="gateway.cache"):
+        with caplog.at_level(logging.WARNING, logger="gateway.state.cache"):
             for n in range(50):
                 assert await cache.get(f"k{n}") is None
         assert cache.stats.tampered == 50
@@ -420,9 +420,9 @@ def test_new_limits_reach_the_code_using_them() -> None:
 
     from gateway.config import GatewayConfig
     from gateway.core import Gateway
-    from gateway.grpc_front import GrpcFront
-    from gateway.http_front import HttpFront
-    from gateway.http_protocol import uvicorn_config
+    from gateway.fronts.grpc_front import GrpcFront
+    from gateway.fronts.http_front import HttpFront
+    from gateway.fronts.http_protocol import uvicorn_config
 
     cfg = GatewayConfig(
         home_region="a",

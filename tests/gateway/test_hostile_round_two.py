@@ -23,7 +23,7 @@ import grpc.aio
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from gateway.auth import hash_key
+from gateway.state.auth import hash_key
 from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway
 from tests.gateway.steady_load import check_infer_answer
 from tests.gateway.test_workers import ROW, workers_of

@@ -169,7 +169,7 @@ def test_invented_model_names_do_not_grow_metrics(solo, make_gateway) -> None:
 
 
 def test_models_a_key_may_not_use_fold_into_one_label(solo, make_gateway) -> None:
-    from gateway.auth import hash_key
+    from gateway.state.auth import hash_key
 
     key = "sk-" + secrets.token_hex(16)
     gw = make_gateway(
@@ -422,7 +422,7 @@ def test_redis_paused_killed_and_restarted_never_fails_a_request(solo, make_gate
 
 # -- 12: shared limits -----------------------------------------------------------------------------
 def test_a_keys_quota_is_shared_by_two_replicas(solo, make_gateway, redis_url: str) -> None:
-    from gateway.auth import hash_key
+    from gateway.state.auth import hash_key
 
     key = "sk-" + secrets.token_hex(16)
     cfg = {

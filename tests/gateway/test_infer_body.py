@@ -1,4 +1,4 @@
-"""Parsing of HTTP inference bodies (gateway/infer_body.py): properties and exact error messages."""
+"""Parsing of HTTP inference bodies (gateway/fronts/infer_body.py): properties and exact error messages."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from gateway.config import LimitsConfig
 from gateway.errors import BadRequest, RequestTooLarge, UnsupportedEncoding
-from gateway.infer_body import (
+from gateway.fronts.infer_body import (
     MAX_DEPTH,
     OFF_LOOP_BYTES,
     RawData,

@@ -1,4 +1,4 @@
-"""`gateway/metrics_merge.py` on real prometheus_client expositions: what the ops port shows for
+"""`gateway/operations/metrics_merge.py` on real prometheus_client expositions: what the ops port shows for
 several workers is what one process counting every request would show."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics_merge import merge_expositions
+from gateway.operations.metrics_merge import merge_expositions
 
 BUCKETS = (0.01, 0.1, 1.0)
 

@@ -22,7 +22,7 @@ import yaml
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
-from gateway.auth import hash_key
+from gateway.state.auth import hash_key
 from skewserve.ports import free_port
 from tests.gateway.conftest import gateway_config
 

@@ -376,7 +376,7 @@ def _infer_status(gw: GatewayUnderTest, key: str) -> tuple[int, str]:
 def test_a_leaked_key_is_revoked_live_on_every_worker(pair: list[TritonServer], tmp_path: Path) -> None:
     """Issue 23, item 6: remove a key from the file, SIGHUP: every worker refuses it at once, the
     other keys keep working, and turning authentication off stays a restart."""
-    from gateway.auth import hash_key
+    from gateway.state.auth import hash_key
 
     keep, leaked = "sk-keep-5d1c0e9a7b", "sk-leaked-3f8e2a6c41"
     keys = [{"name": "keep", "sha256": hash_key(keep)}, {"name": "leaked", "sha256": hash_key(leaked)}]

@@ -11,9 +11,9 @@ import struct
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from gateway.answer_classes import grpc_classes, http_classes
-from gateway.shadow import ClassSampler, water_fill
-from gateway.shadow_send import version_field, versioned_path
+from gateway.fleet.shadow import ClassSampler, water_fill
+from gateway.pipeline.answer_classes import grpc_classes, http_classes
+from gateway.pipeline.shadow_send import version_field, versioned_path
 
 FREQS = {"0": 0.70, "1": 0.20, "2": 0.07, "3": 0.025, "4": 0.005}
 

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from gateway.coalesce import Coalescer
 from gateway.config import GatewayConfig, secret_weakness
 from gateway.errors import UpstreamRejected, UpstreamTimeout
-from gateway.limits import RateLimiter, client_address
-from gateway.metrics import OTHER_MODEL, GatewayMetrics
-from gateway.redis_link import CircuitBreaker, ThrottledLog
+from gateway.operations.metrics import OTHER_MODEL, GatewayMetrics
+from gateway.state.coalesce import Coalescer
+from gateway.state.limits import RateLimiter, client_address
+from gateway.state.redis_link import CircuitBreaker, ThrottledLog
 
 
 class FakeClock:
@@ -185,7 +185,7 @@ def test_client_buckets_are_bounded_and_the_limit_names_the_client() -> None:
 
 
 def test_per_client_limit_is_off_when_auth_is_on_and_by_default() -> None:
-    from gateway.auth import hash_key
+    from gateway.state.auth import hash_key
 
     keys = {"keys": [{"name": "k", "sha256": hash_key("x")}]}
     on = _cfg(limits={"per_client_rate_per_s": 5}, auth=keys)
@@ -220,7 +220,7 @@ def test_secret_weakness(secret: str, why: str | None) -> None:
 
 def test_new_config_fields_reach_the_code_using_them() -> None:
     from gateway.core import Gateway
-    from gateway.redis_link import RedisLink
+    from gateway.state.redis_link import RedisLink
 
     cfg = _cfg(
         cache={
@@ -342,8 +342,8 @@ def test_requests_pinned_to_other_regions_do_not_coalesce() -> None:
 
 
 def test_body_budget_bounds_each_caller_and_the_worker_and_forgets_idle_callers() -> None:
-    from gateway.body_budget import BodyBudget
     from gateway.errors import BodiesExhausted
+    from gateway.state.body_budget import BodyBudget
 
     budget = BodyBudget(limit=1000, per_caller=600)
     budget.reserve("key:a", 500)

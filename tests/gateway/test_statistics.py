@@ -21,8 +21,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from gateway.auth import hash_key
-from gateway.statistics import merge_statistics
+from gateway.operations.statistics import merge_statistics
+from gateway.state.auth import hash_key
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
 from tests.gateway.conftest import gateway_config, start_fleet, stop_fleet, wait_until

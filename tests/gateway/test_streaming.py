@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from gateway.auth import hash_key
+from gateway.state.auth import hash_key
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
 from tests.gateway.conftest import (

@@ -233,7 +233,7 @@ def _echoed_grpc(address: str, metadata: tuple[tuple[str, str], ...]) -> dict[st
 def test_headers_matching_the_forward_pattern_reach_the_model_and_keys_never_do(
     echo_triton, make_gateway
 ) -> None:
-    from gateway.auth import hash_key
+    from gateway.state.auth import hash_key
 
     key = "sk-forward-test-key-0123456789"
     triton = echo_triton["us-east"][0]

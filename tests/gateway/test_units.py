@@ -12,15 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.auth import Authenticator, TokenBucket, hash_key
-from gateway.balancer import P2CEwmaBalancer, RoundRobinBalancer
-from gateway.cache import Coalescer, MemoryCache, cache_key
 from gateway.config import ConfigError, GatewayConfig, HealthConfig, ServerConfig, load_gateway_config
-from gateway.dispatch import HEDGE_MIN_SAMPLES, RetryBudget, hedge_delay
 from gateway.errors import BadRequest, NoReadyServer, PermissionDenied, RateLimited, Unauthenticated
-from gateway.health import OutlierDetector
-from gateway.router import Region, RegionRouter
-from gateway.upstream import UpstreamServer
+from gateway.fleet.balancer import P2CEwmaBalancer, RoundRobinBalancer
+from gateway.fleet.health import OutlierDetector
+from gateway.fleet.router import Region, RegionRouter
+from gateway.pipeline.dispatch import HEDGE_MIN_SAMPLES, RetryBudget, hedge_delay
+from gateway.state.auth import Authenticator, TokenBucket, hash_key
+from gateway.state.cache import Coalescer, MemoryCache, cache_key
+from gateway.upstream.server import UpstreamServer
 
 
 class FakeClock:
@@ -341,7 +341,7 @@ def test_cli_gateway_refuses_bad_config_with_the_field(tmp_path: Path) -> None:
 
 
 def test_large_keys_are_hashed_off_the_loop_with_the_same_result() -> None:
-    from gateway.cache import OFF_LOOP_BYTES, cache_key_async
+    from gateway.state.cache import OFF_LOOP_BYTES, cache_key_async
 
     big = b"x" * (OFF_LOOP_BYTES + 1)
     assert asyncio.run(cache_key_async("grpc", "m", "1", big)) == cache_key("grpc", "m", "1", big)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.metrics import GatewayMetrics
+from gateway.operations.metrics import GatewayMetrics
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
 from tests.monitoring.stack import TRITON_CACHE, write_monitoring_repo

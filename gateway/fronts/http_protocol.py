@@ -1,0 +1,321 @@
+"""uvicorn's httptools protocol with a bound on receiving request headers, one write per response,
+and the infer path served from the protocol itself.
+
+Infer requests (`POST /v2/models/{m}[/versions/{v}]/infer`) skip ASGI: once their headers are in,
+an `InferExchange` takes uvicorn's place for the request (same flow control, keep-alive and
+pipelining) and hands its bytes straight to the pipeline (gateway/fronts/http_front.py `infer`);
+the answer goes out in one write. Every other request goes to the ASGI app (FastAPI) as before.
+
+uvicorn times out idle keep-alive connections but not a request whose headers never finish: a
+client that sends half a request line and waits holds its socket (and a file descriptor) forever,
+and a few thousand such clients exhaust the gateway (slowloris). Here a timer runs while a
+connection waits for a request's headers (from connect, and from a new request's first byte) and
+closes the connection when they are not complete within `limits.header_read_timeout_s`.
+
+uvicorn writes a response's head and its body with a send() each; on loopback a send costs about
+as much as the rest of a cache hit. `_OneWrite` holds small writes made in the same event-loop
+turn and sends them together at the end of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.parse
+from typing import Any
+
+import httptools
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+
+from gateway.config import GatewayConfig
+from gateway.fronts.http_infer import parse_infer_path
+from gateway.state.limits import client_key
+
+logger = logging.getLogger(__name__)
+
+
+_COALESCE_BYTES = 64 * 1024  # larger writes go straight out (joining would copy them)
+
+
+class _OneWrite:
+    """The connection's transport as a request cycle sees it: small writes of one loop turn are
+    sent as one (flushed at the end of the turn, and before close)."""
+
+    __slots__ = ("transport", "loop", "pending")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self.transport = transport
+        self.loop = loop
+        self.pending: list[bytes] | None = None
+
+    def write(self, data: bytes) -> None:
+        if self.pending is None:
+            if len(data) >= _COALESCE_BYTES:
+                self.transport.write(data)
+                return
+            self.pending = [data]
+            self.loop.call_soon(self.flush)
+            return
+        if len(data) >= _COALESCE_BYTES:
+            self.flush()
+            self.transport.write(data)
+            return
+        self.pending.append(data)
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending and not self.transport.is_closing():
+            self.transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info, pause_reading, ...
+        return getattr(self.transport, name)
+
+
+class InferExchange(RequestResponseCycle):
+    """One infer request on the protocol: uvicorn's cycle state (so its flow control, keep-alive,
+    pipelining and disconnect handling apply unchanged), without the ASGI messages."""
+
+    def __init__(
+        self, *args: Any, target: tuple[str, str, bytes, bytes], headers: Any, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.target = target  # model, version, raw path, query
+        self.headers = headers
+
+    async def run_asgi(self, app: Any) -> None:
+        """Started by the protocol as it starts an ASGI request (now, or once pipelined ones are done)."""
+        client = self.scope["client"]
+        try:
+            await app.infer(self, self.headers, *self.target, client[0] if client else "")
+        except BaseException as exc:
+            self.logger.error("exception in the infer path", exc_info=exc)
+            if not self.response_started and not self.disconnected:
+                await self.write(
+                    500, [(b"content-type", b"application/json")], b'{"error":"internal gateway error"}'
+                )
+            else:
+                self.transport.close()
+        finally:
+            self.on_response = lambda: None
+
+    async def receive_chunk(self) -> tuple[bytes, bool] | None:
+        if self.waiting_for_100_continue and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.waiting_for_100_continue = False
+        if not self.disconnected and not self.response_complete:
+            if self.more_body or not self.body:
+                self.flow.resume_reading()
+                await self.message_event.wait()
+                self.message_event.clear()
+        if self.disconnected or self.response_complete:
+            return None
+        chunk = bytes(self.body)
+        self.body = bytearray()
+        return chunk, self.more_body
+
+    async def write(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """The whole response in one write (the head joined to bodies under _COALESCE_BYTES)."""
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected or self.response_started:
+            return
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        parts = [STATUS_LINE[status]]
+        for name, value in self.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        for name, value in headers:
+            if name == b"connection" and b"close" in value.lower():
+                self.keep_alive = False
+            parts += (name, b": ", value, b"\r\n")
+        if not self.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"content-length: %d\r\n\r\n" % len(body))
+        if len(body) < _COALESCE_BYTES:
+            parts.append(body)
+            self.transport.write(b"".join(parts))
+        else:
+            self.transport.write(b"".join(parts))
+            self.transport.write(body)
+        self.response_complete = True
+        self.message_event.set()
+        if not self.keep_alive:
+            self.transport.close()
+        self.on_response()
+
+
+class HeaderTimeoutProtocol(HttpToolsProtocol):
+    # Set per listener by `with_header_timeout`.
+    header_timeout_s = 10.0
+    max_per_source = 0  # 0: no per-source bound
+    sources: dict[str, int] = {}  # open connections by client key, one dict per listener class
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._source: str | None = None  # counted in `sources` while open
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            logger.info(
+                "closing a connection from %s: request headers not complete within %g s "
+                "(limits.header_read_timeout_s)",
+                self.client,
+                self.header_timeout_s,
+            )
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if self.max_per_source and not self._admit_source():
+            return
+        self._arm_header_timer()  # a connection that sends nothing is bounded too
+
+    def _admit_source(self) -> bool:
+        """Count this connection against its client address; past the bound, 503 and close."""
+        source = client_key(self.client[0]) if self.client else ""
+        held = self.sources.get(source, 0)
+        if held >= self.max_per_source:
+            body = (
+                b'{"error":"this client address holds too many connections (limits.max_connections_per_source); '
+                b'reuse kept-alive connections or close idle ones"}'
+            )
+            self.transport.write(
+                b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            self.transport.close()
+            return False
+        self.sources[source] = held + 1
+        self._source = source
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        if self._source is not None:
+            left = self.sources.get(self._source, 1) - 1
+            if left > 0:
+                self.sources[self._source] = left
+            else:
+                self.sources.pop(self._source, None)  # the map holds open sources only
+            self._source = None
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_header_timer()  # a keep-alive connection's next request (already armed on connect)
+
+    def shutdown(self) -> None:
+        # uvicorn closes the socket of a finished response at once: send what this turn wrote first.
+        writer = self.cycle.transport if self.cycle is not None else None
+        if isinstance(writer, _OneWrite):
+            writer.flush()
+        super().shutdown()
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_timer()
+        if self.parser.get_method() == b"POST" and hasattr(self.app, "infer") and self._start_infer():
+            return
+        super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.transport = _OneWrite(self.transport, self.loop)  # type: ignore[assignment]
+
+    def _start_infer(self) -> bool:
+        """Serve an infer request from the protocol (True), or leave it to ASGI (False)."""
+        if self.parser.should_upgrade() and self._should_upgrade():
+            return False
+        if self.limit_concurrency is not None and (
+            len(self.connections) >= self.limit_concurrency or len(self.tasks) >= self.limit_concurrency
+        ):
+            return False  # uvicorn's 503
+        try:
+            parsed = httptools.parse_url(self.url)
+            raw_path = parsed.path
+            path = raw_path.decode("ascii")
+        except (httptools.HttpParserInvalidURLError, UnicodeDecodeError):
+            return False
+        target = parse_infer_path(urllib.parse.unquote(path) if "%" in path else path)
+        if target is None:
+            return False
+        http_version = self.parser.get_http_version()
+        existing = self.cycle
+        self.cycle = InferExchange(
+            scope=self.scope,
+            transport=self.transport,
+            flow=self.flow,
+            logger=self.logger,
+            access_logger=self.access_logger,
+            access_log=self.access_log,
+            default_headers=self.server_state.default_headers,
+            message_event=asyncio.Event(),
+            expect_100_continue=self.expect_100_continue,
+            keep_alive=http_version != "1.0" and self.parser.should_keep_alive(),
+            on_response=self.on_response_complete,
+            target=(*target, raw_path, parsed.query or b""),
+            headers=self.headers,
+        )
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(self.cycle, self.app)
+        else:  # pipelined: started when the one before it has answered
+            self.flow.pause_reading()
+            self.pipeline.appendleft((self.cycle, self.app))
+        return True
+
+
+def with_header_timeout(timeout_s: float, max_per_source: int = 0) -> type[HeaderTimeoutProtocol]:
+    """The protocol class for one listener: connections whose headers take over `timeout_s` are
+    closed, and one client address holds at most `max_per_source` connections (0: any number)."""
+    return type(
+        "HeaderTimeoutProtocol",
+        (HeaderTimeoutProtocol,),
+        {"header_timeout_s": timeout_s, "max_per_source": max_per_source, "sources": {}},
+    )
+
+
+def per_worker_share(limit: int, workers: int) -> int:
+    """A per-source bound split over worker processes (the kernel spreads a source's connections
+    over them): each holds its share, rounded up; 0 stays 0 (off)."""
+    return -(-limit // max(workers, 1)) if limit else 0
+
+
+def uvicorn_config(app: Any, cfg: GatewayConfig, public: bool = False) -> uvicorn.Config:
+    """Every gateway listener's uvicorn settings (public HTTP, a worker's ops socket, the ops port of
+    a single process or of the supervisor): the header-read timer, the connection bound; and on
+    the `public` listener, listen.tls."""
+    tls = cfg.listen.tls if public else None
+    return uvicorn.Config(
+        app,
+        ssl_certfile=tls.cert_file if tls is not None else None,
+        ssl_keyfile=tls.key_file if tls is not None else None,
+        loop="none",
+        # httptools with a bound on receiving headers (uvicorn has none: slowloris).
+        http=with_header_timeout(
+            cfg.limits.header_read_timeout_s,
+            per_worker_share(cfg.limits.max_connections_per_source, cfg.listen.workers),
+        ),
+        # Connections plus in-flight requests; beyond it uvicorn answers 503 and sockets stop growing.
+        limit_concurrency=cfg.limits.max_connections,
+        lifespan="off",
+        access_log=False,
+        proxy_headers=False,  # the gateway is the edge: no X-Forwarded-* rewriting per request
+        server_header=False,
+        log_config=None,
+        timeout_keep_alive=cfg.limits.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn takes a float
+        timeout_graceful_shutdown=int(cfg.drain.timeout_s),
+        backlog=2048,
+    )

@@ -1,0 +1,87 @@
+"""One inference request as every pipeline step sees it, whichever front it came in by.
+
+A front fills what its wire says (`Call`) and hands the steps its own form of the request
+(`Request`): the steps never read a header or a protobuf field themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+from gateway.pipeline.dispatch import Attempt, SequenceId
+
+if TYPE_CHECKING:
+    from gateway.fleet.router import Route
+    from gateway.fleet.traffic import Plan
+    from gateway.fleet.traffic_tally import Role
+    from gateway.state.auth import Principal
+
+A = TypeVar("A")  # a front's answer: HttpResponse, or a serialized ModelInferResponse
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """What the wire said and what the steps decided, for one request."""
+
+    protocol: str  # "http" | "grpc": the metrics label
+    started: float
+    model: str = ""
+    version: str = ""
+    request_id: str = ""  # the id the gateway logs and forwards (x-request-id)
+    client: str = ""  # the peer's address
+    authorization: str | None = None
+    api_key: str | None = None
+    pinned: str | None = None  # the client's region pin (routing.region_header)
+    sticky: str | None = None  # traffic.sticky_header: whose canary bucket
+    timeout_ms: str | None = None  # retries.timeout_header
+    call_remaining: float | None = None  # a gRPC call's own deadline, seconds left
+    passed_on: bool = False  # a header the answer may depend on is forwarded: never cached
+    # set by the steps
+    principal: Principal | None = None
+    authenticated: bool = False
+    admitted: bool = False
+    rate: asyncio.Future[None] | None = None  # a rate check already under way (the gRPC bridge's)
+    caller: str = ""  # whom the request's bytes are counted against
+    held: int = 0  # bytes counted in gw.bodies, given back when the call ends
+    counted: bool = False  # in gw.inflight
+    deadline: float = 0.0
+    plan: Plan | None = None
+    role: Role | None = None
+    route: Route | None = None
+    cache_state: str | None = None  # "hit" | "miss" | "coalesced" when the cache was asked
+    status: str = "500"  # the metrics label: HTTP status or gRPC code name
+    ok: bool = False  # not the server's fault (what a canary is judged on)
+
+
+class Request(Protocol, Generic[A]):
+    """A front's parsed request: what the cache, dispatch and shadow steps need from it."""
+
+    size: int  # bytes held
+    sequence_id: SequenceId  # stateful models: every request of a sequence on one server
+    timeout_us: int | None  # the request's own `timeout` parameter
+    request_id: str  # the id inside the request (JSON `id`, protobuf `id`): a shared answer gets it
+
+    def check(self) -> None:
+        """The gateway's limits on what the request holds (batch size...): BadRequest when over."""
+
+    def cacheable(self) -> bool:
+        """Whether an answer to this request may be shared (no sequence, nothing read from headers)."""
+
+    async def cache_key(self, resolved: str, tenant: str) -> str: ...
+
+    def attempt(self, version: str | None = None, shared: bool = False) -> Attempt[A]:
+        """Send this request to one server (as another `version` of the model when given; `shared`:
+        for an answer every client may get, so in the identity encoding)."""
+
+    def storable(self, answer: A, resolved: str) -> bytes | None:
+        """The bytes to store for `answer`, or None when it must not be stored."""
+
+    def classes(self, answer: A, output: str) -> list[str] | None:
+        """The class of each row of `answer` (shadow traffic), None when it cannot be read."""
+
+    def decode(self, stored: bytes) -> A: ...
+
+    def restamp(self, answer: A) -> A:
+        """A shared answer (cached, coalesced) with this request's own id."""

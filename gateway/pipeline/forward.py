@@ -1,0 +1,33 @@
+"""Route and dispatch: retries, hedging, deadlines and cold starts (gateway/core.py `Gateway.send`,
+gateway/pipeline/dispatch.py), for a request whose answer is its own."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, TypeVar
+
+from gateway.pipeline.call import Call, Request
+
+if TYPE_CHECKING:
+    from gateway.core import Gateway
+
+A = TypeVar("A")
+
+
+async def send(gw: Gateway, call: Call, request: Request[A]) -> A:
+    outcome = await gw.send(
+        call.model,
+        call.version,
+        call.pinned,
+        call.deadline,
+        request.attempt(),
+        sequence_id=request.sequence_id,
+    )
+    call.route = outcome.route
+    return outcome.value
+
+
+def set_deadline(gw: Gateway, call: Call, request: Request[A] | None) -> None:
+    """The tightest of the client's timeout header, the request's `timeout` parameter and the call's
+    own deadline; else the model's or the default (gateway/core.py `Gateway.deadline`)."""
+    timeout_us = None if request is None else request.timeout_us
+    call.deadline = gw.deadline(call.timeout_ms, timeout_us, call.model, call.call_remaining)

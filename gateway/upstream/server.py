@@ -1,0 +1,168 @@
+"""Upstream Triton servers: one object per server holding its connections and its observed state.
+
+Every call to a Triton server, HTTP or gRPC, goes through `UpstreamServer` so that routing,
+retries, health and caching see one interface and one error tree whatever carried the bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.config import ServerConfig
+from gateway.upstream.grpc_relay import GrpcChannel, GrpcRelay, RelayChannel, StreamChannel
+from gateway.upstream.http_client import HttpPool, HttpResponse
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class EjectionEvent:
+    at: float
+    until: float
+    reason: str
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        return {
+            "seconds_ago": round(now - self.at, 3),
+            "ejected_for_s": round(self.until - self.at, 3),
+            "reason": self.reason,
+        }
+
+
+class LatencyStats:
+    """Time-decayed EWMA of latency and its deviation (Finagle's decaying EWMA; p95 ≈ mean + 1.645 sd)."""
+
+    __slots__ = ("decay_s", "mean", "var", "last", "samples")
+
+    def __init__(self, decay_s: float) -> None:
+        self.decay_s = decay_s
+        self.mean = 0.0
+        self.var = 0.0
+        self.last = 0.0
+        self.samples = 0
+
+    def observe(self, seconds: float, now: float) -> None:
+        if self.samples == 0:
+            self.mean, self.var = seconds, 0.0
+        else:
+            w = math.exp(-max(0.0, now - self.last) / self.decay_s)
+            w = min(w, 0.9)  # a burst of samples in the same instant still moves the average
+            diff = seconds - self.mean
+            self.mean += (1 - w) * diff
+            self.var = w * (self.var + (1 - w) * diff * diff)
+        self.last = now
+        self.samples += 1
+
+    def p95(self) -> float:
+        return self.mean + 1.645 * math.sqrt(max(self.var, 0.0))
+
+
+class UpstreamServer:
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        region: str,
+        decay_s: float,
+        connect_timeout_s: float,
+        clock: Clock = time.monotonic,
+        grpc_relay: GrpcRelay | None = None,
+    ) -> None:
+        self.name = cfg.name
+        self.region = region
+        self.http_address = cfg.http
+        self.grpc_address = cfg.grpc
+        self.http = HttpPool(cfg.http, connect_timeout_s=connect_timeout_s)
+        self.grpc: GrpcChannel | RelayChannel = (
+            grpc_relay.channel(cfg.grpc) if grpc_relay is not None else GrpcChannel(cfg.grpc)
+        )
+        self.streams = StreamChannel(cfg.grpc)  # ModelStreamInfer: always direct, never relayed
+        self.clock = clock
+        self.latency = LatencyStats(decay_s)
+        self.probe_rtt = LatencyStats(decay_s * 5)
+        self.inflight = 0
+        # Streams held open on this server: shown, never counted as load (an idle stream held by a
+        # client would otherwise mark the server saturated for everyone's requests).
+        self.open_streams = 0
+        self.healthy = False  # until the first probe says ready
+        self.last_probe_error = "not probed yet"
+        self.ready_models: dict[str, set[str]] = {}
+        self.known_models: set[str] = set()
+        self.consecutive_failures = 0
+        self.last_failure_at = 0.0
+        self.ejections = 0
+        self.ejected_until = 0.0
+        self.history: deque[EjectionEvent] = deque(maxlen=20)
+        self.requests = 0
+        self.failures = 0
+
+    # -- state --------------------------------------------------------------------------------
+    def ejected(self, now: float) -> bool:
+        return now < self.ejected_until
+
+    def available(self, now: float) -> bool:
+        return self.healthy and now >= self.ejected_until
+
+    def has_model(self, model: str, version: str) -> bool:
+        versions = self.ready_models.get(model)
+        return bool(versions) and (not version or version in versions)  # type: ignore[operator]
+
+    def score(self) -> float:
+        """Lower is better: expected wait if we add one more request (latency x queue), doubled per
+        consecutive failure (errors never enter the latency average), so a server that fails fast
+        soon looks worse than any slow server that answers."""
+        base = self.latency.mean if self.latency.samples else 1e-3
+        score = base * (self.inflight + 1)
+        # Only recent failures weigh: a server left alone after failing gets traffic again later,
+        # rather than waiting forever for the success that would clear its count.
+        if self.consecutive_failures and self.clock() - self.last_failure_at < 5 * self.latency.decay_s:
+            score *= 2.0 ** min(self.consecutive_failures, 30)
+        return score
+
+    # -- calls --------------------------------------------------------------------------------
+    async def http_request(
+        self, method: bytes, path: bytes, body: bytes, headers: list[tuple[bytes, bytes]], timeout_s: float
+    ) -> HttpResponse:
+        return await self.http.request(method, path, body, headers, timeout_s)
+
+    async def grpc_call(
+        self, method: str, request: bytes, timeout_s: float, metadata: Sequence[tuple[str, str]] = ()
+    ) -> bytes:
+        return await self.grpc.call(method, request, timeout_s, metadata)
+
+    async def close(self) -> None:
+        await self.http.close()
+        await self.grpc.close()
+        await self.streams.close()
+
+    def describe(self, now: float) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "region": self.region,
+            "http": self.http_address,
+            "grpc": self.grpc_address,
+            "healthy": self.healthy,
+            "ejected": self.ejected(now),
+            "ejected_for_s": round(max(0.0, self.ejected_until - now), 3),
+            "available": self.available(now),
+            "inflight": self.inflight,
+            "open_streams": self.open_streams,
+            "ewma_latency_ms": round(self.latency.mean * 1000, 3),
+            "p95_latency_ms": round(self.latency.p95() * 1000, 3),
+            "latency_samples": self.latency.samples,
+            "probe_rtt_ms": round(self.probe_rtt.mean * 1000, 3),
+            "consecutive_failures": self.consecutive_failures,
+            "ejections": self.ejections,
+            "ejection_history": [e.as_dict(now) for e in self.history],
+            "models": {
+                m: sorted(v, key=lambda x: int(x) if x.isdigit() else 0)
+                for m, v in sorted(self.ready_models.items())
+            },
+            "last_probe_error": self.last_probe_error,
+            "requests": self.requests,
+            "failures": self.failures,
+        }
