@@ -122,6 +122,9 @@ def restamp_id(resp: HttpResponse, request_id: str) -> HttpResponse:
 class Exchange(Protocol):
     """One request's bytes in and its answer out, as the transport under the front gives them."""
 
+    def whole_body(self) -> bytes | None:
+        """The whole body when it is already in (no wait), else None."""
+
     async def receive_chunk(self) -> tuple[bytes, bool] | None:
         """(bytes, more to come), or None when the client disconnected."""
 
@@ -255,6 +258,13 @@ class HttpWire:
                 )
 
     async def read(self, call: Call) -> None:
+        whole = self.exchange.whole_body()
+        if whole is not None:  # arrived with the headers: no timer to arm
+            if len(whole) > self.limits.max_bytes:
+                raise RequestTooLarge(f"request body exceeds the limit of {self.limits.max_bytes} bytes")
+            admission.hold(self.gw, call, len(whole))
+            self.body = whole
+            return
         timeout_s = self.limits.body_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
@@ -480,6 +490,10 @@ class AsgiExchange:
     def __init__(self, receive: Any, send: Any) -> None:
         self.receive = receive
         self.send = send
+
+    @staticmethod
+    def whole_body() -> bytes | None:
+        return None
 
     async def receive_chunk(self) -> tuple[bytes, bool] | None:
         message = await self.receive()

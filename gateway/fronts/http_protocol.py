@@ -103,6 +103,13 @@ class InferExchange(RequestResponseCycle):
         finally:
             self.on_response = lambda: None
 
+    def whole_body(self) -> bytes | None:
+        if self.more_body or self.disconnected or self.response_complete or self.waiting_for_100_continue:
+            return None
+        body = bytes(self.body)
+        self.body = bytearray()
+        return body
+
     async def receive_chunk(self) -> tuple[bytes, bool] | None:
         if self.waiting_for_100_continue and not self.transport.is_closing():
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")

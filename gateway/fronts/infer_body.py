@@ -471,8 +471,15 @@ class InferBody:
         w = self._splice
         if w is None:
             header = self.header
-            if not keep:
-                header = {**header, "parameters": {**header.get("parameters", {}), "timeout": us}}
+            if keep:
+                return self.body, self.header_length
+            if "parameters" not in header:
+                # Spliced after the opening brace of the bytes received: no re-serialisation.
+                at = self.body.index(b"{") + 1
+                spliced = b'"parameters":{"timeout":%d}%s' % (us, b"," if header else b"")
+                body = self.body[:at] + spliced + self.body[at:]
+                return body, (None if self.header_length is None else self.header_length + len(spliced))
+            header = {**header, "parameters": {**header["parameters"], "timeout": us}}
             data = json.dumps(header, separators=(",", ":")).encode()
             if self.header_length is None:
                 return data, None
@@ -511,8 +518,6 @@ def _may_nest_deeper_than(text: str, limit: int) -> bool:
     return bool(brackets)
 
 
-_loads_small = json.JSONDecoder(object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant).decode
-
 # What Python's JSON reader accepts and Triton's (RapidJSON) refuses, with HTTP 500 that would count
 # against a healthy server: a high surrogate escape without its low one, and numbers beyond a double.
 # An escape counts only after an even run of backslashes ("\\ud800" is text, not an escape).
@@ -534,14 +539,26 @@ def _finite(text: str) -> float:
     return value
 
 
+# Small headers: numbers beyond a double are found as they are read (no scan of the text first).
+_loads_small = json.JSONDecoder(
+    object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant, parse_float=_finite
+).decode
+
+
+def _overflow(exc: _Overflow) -> BadRequest:
+    return BadRequest(
+        f"the request JSON has the number {str(exc)[:40]}, beyond a 64-bit float; Triton refuses it"
+    )
+
+
 # Integers are left to the field checks (a `timeout` above 2^64-1 is refused by name) and, in
 # tensor data, to Triton, whose parse error comes back as the client's 400 (gateway/fronts/http_front.py).
 _numbers_only = json.JSONDecoder(parse_float=_finite, parse_constant=_refuse_constant).decode
 
 
-def check_triton_json(text: str) -> None:
-    """BadRequest for JSON Triton refuses but Python reads: a lone high surrogate escape, or a number
-    beyond a double (Python reads 1e999 as inf and would forward it as "Infinity")."""
+def check_triton_json(text: str, numbers: bool = True) -> None:
+    """BadRequest for JSON Triton refuses but Python reads: a lone high surrogate escape, or (with
+    `numbers`) a number beyond a double (Python reads 1e999 as inf and would forward it as "Infinity")."""
     if "\\u" in text:
         for m in _SURROGATE_ESCAPE.finditer(text):
             # RapidJSON refuses a high surrogate without its low one; a lone low one it passes on.
@@ -551,13 +568,11 @@ def check_triton_json(text: str) -> None:
                     f"the request JSON has an unpaired surrogate escape \\u{m.group(1)} at character "
                     f"{m.start(1) - 2}; send UTF-8 text or a surrogate pair (Triton refuses it)"
                 )
-    if _MAY_OVERFLOW.search(text):
+    if numbers and _MAY_OVERFLOW.search(text):
         try:
             _numbers_only(text)
         except _Overflow as exc:
-            raise BadRequest(
-                f"the request JSON has the number {str(exc)[:40]}, beyond a 64-bit float; Triton refuses it"
-            ) from None
+            raise _overflow(exc) from None
         except (ValueError, RecursionError):
             pass  # malformed or deep: the walk names what is wrong
 
@@ -642,12 +657,15 @@ def parse_infer_body(
         text = raw.decode("utf-8")  # Triton reads UTF-8 only (Python's json would guess UTF-16/32)
     except UnicodeDecodeError as exc:
         raise BadRequest(f"the request JSON is not valid UTF-8 at byte {exc.start}") from None
-    check_triton_json(text)
-    if len(text) < (CANONICAL_BYTES if canonical_bytes is None else canonical_bytes):
+    small = len(text) < (CANONICAL_BYTES if canonical_bytes is None else canonical_bytes)
+    check_triton_json(text, numbers=not small)
+    if small:
         try:
             header = _loads_small(text)
+        except _Overflow as exc:
+            raise _overflow(exc) from None
         except (ValueError, RecursionError):
-            pass  # the walk below names what is wrong
+            check_triton_json(text)  # the walk below names what else is wrong
         else:
             if isinstance(header, dict) and not _may_nest_deeper_than(text, MAX_DEPTH):
                 _validate(header, max_tensors)

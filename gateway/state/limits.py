@@ -11,6 +11,7 @@ and an IPv6 client is keyed on its /64 (one host usually holds all of it).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import time
 from collections import OrderedDict
@@ -50,6 +51,7 @@ return tostring(wait)
 """
 
 
+@functools.lru_cache(maxsize=4096)  # per request otherwise: parsing an address costs a few µs
 def client_key(address: str) -> str:
     """The rate-limit key of a client address: an IPv4 address itself, an IPv6 address its /64.
 
