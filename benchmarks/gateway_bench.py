@@ -321,6 +321,19 @@ def section_hop(bench: Bench, gw: Gateway) -> None:
     gw_grpc = hop_row(
         bench, f"skewserve gateway{', data plane haproxy' if plane else ''}", "grpc", gw.grpc, gw.proc.pid, gw
     )
+    if "grpc_upstream" in listen_fields():
+        direct_h2 = Gateway(bench.local(), bench.work, "hop-upstream", listen={"grpc_upstream": "grpcio"})
+        try:
+            hop_row(
+                bench,
+                "skewserve gateway, data plane haproxy, upstream grpc.aio",
+                "grpc",
+                direct_h2.grpc,
+                direct_h2.proc.pid,
+                direct_h2,
+            )
+        finally:
+            direct_h2.stop()
     if plane:
         old = Gateway(bench.local(), bench.work, "hop-grpcio", listen={"grpc_data_plane": "grpcio"})
         try:
