@@ -515,12 +515,19 @@ def section_cache(bench: Bench, gw: Gateway) -> None:
         ("direct, Triton response cache (HTTP)", "http", a.http_address, "bench_tcache", False),
         ("gateway cache hit (HTTP)", "http", gw.http, "bench_gwcache", True),
         ("direct, uncached (gRPC)", "grpc", a.grpc_address, "bench", False),
-        ("direct, Triton response cache (gRPC)", "grpc", a.grpc_address, "bench_tcache", False),
         ("gateway cache hit (gRPC)", "grpc", gw.grpc, "bench_gwcache", True),
+        # Last: tritonserver 2.51 has been seen to crash (signal 11) under h2load on its own cache.
+        ("direct, Triton response cache (gRPC)", "grpc", a.grpc_address, "bench_tcache", False),
     ):
         gw.wait_available()
         cpu = TreeCpu(gw.proc.pid)
-        lat = asyncio.run(drive(protocol, addr, model, 1, secs))
+        try:
+            lat = asyncio.run(drive(protocol, addr, model, 1, secs))
+        except grpc.aio.AioRpcError as exc:
+            if on_gw:
+                raise
+            print(f"| {label} | Triton stopped answering: {exc.code().name} (see its log) | | | | |")
+            continue
         cpu1 = f"{cpu.seconds() / len(lat) * 1e6:.0f}" if on_gw else "-"
         gw.wait_available()
         res, cpu8 = measured_load(protocol, addr, model, 8, secs, gw.proc.pid if on_gw else None)
