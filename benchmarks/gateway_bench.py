@@ -529,8 +529,17 @@ def section_cache(bench: Bench, gw: Gateway) -> None:
             print(f"| {label} | Triton stopped answering: {exc.code().name} (see its log) | | | | |")
             continue
         cpu1 = f"{cpu.seconds() / len(lat) * 1e6:.0f}" if on_gw else "-"
-        gw.wait_available()
-        res, cpu8 = measured_load(protocol, addr, model, 8, secs, gw.proc.pid if on_gw else None)
+        if on_gw:
+            gw.wait_available()
+        try:
+            res, cpu8 = measured_load(protocol, addr, model, 8, secs, gw.proc.pid if on_gw else None)
+        except Exception as exc:  # the load generator's own error when Triton went away mid-run
+            if on_gw:
+                raise
+            print(
+                f"| {label} | {pct(lat, 50):.3f} | {pct(lat, 99):.3f} | - | Triton stopped answering: {exc} | - |"
+            )
+            continue
         cpu8_text = f"{cpu8:.0f}" if cpu8 is not None else "-"
         print(
             f"| {label} | {pct(lat, 50):.3f} | {pct(lat, 99):.3f} | {cpu1} | {res.rps:.0f} | {cpu8_text} |",
