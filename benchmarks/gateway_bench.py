@@ -621,6 +621,8 @@ def section_slow(bench: Bench) -> None:
 
 
 def run_sections(bench: Bench, only: set[str]) -> None:
+    if "steps" in only:
+        section_steps(bench)
     if only & {"hop", "hop-py", "cache"}:
         gw = Gateway(bench.local(), bench.work, "hop")
         try:
@@ -632,8 +634,6 @@ def run_sections(bench: Bench, only: set[str]) -> None:
                 section_cache(bench, gw)
         finally:
             gw.stop()
-    if "steps" in only:
-        section_steps(bench)
     if "workers" in only:
         section_workers(bench)
     if "slow" in only:
