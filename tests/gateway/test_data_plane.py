@@ -135,6 +135,17 @@ def test_the_grpcio_plane_still_serves(
     assert not [p for p in psutil.Process(gw.proc.pid).children() if p.name() == "haproxy"]
 
 
+def test_the_upstream_can_be_a_grpc_aio_channel(
+    fleet: dict[str, list[TritonServer]], make_gateway: Callable[..., GatewayUnderTest]
+) -> None:
+    """listen.grpc_upstream grpcio: HAProxy still fronts the clients, Triton is called by grpc.aio."""
+    gw = make_gateway(gateway_config(fleet, listen={"grpc_upstream": "grpcio"}, cache={"backend": "none"}))
+    answer = call(gw, infer_request(rows=2))
+    assert answer.model_name == "lt" and list(answer.outputs[0].shape)[0] == 2
+    assert haproxy_of(gw).is_running()
+    assert all(s["available"] for s in gw.admin()["servers"])  # probed over the channel
+
+
 def test_ids_and_names_triton_would_echo_are_bounded(
     fleet: dict[str, list[TritonServer]], make_gateway: Callable[..., GatewayUnderTest]
 ) -> None:
