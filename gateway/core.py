@@ -326,8 +326,14 @@ class Gateway:
         return principal
 
     async def check_rate(self, principal: Principal | None, client: str) -> None:
-        if principal is not None or self.limiter.client_rate > 0:
+        if self.rate_limited(principal):
             await self.limiter.check(principal, client)
+
+    def rate_limited(self, principal: Principal | None) -> bool:
+        """Whether a caller has a rate limit to check (a key with a rate; else per address, if set)."""
+        if principal is not None:
+            return principal.bucket is not None
+        return self.limiter.client_rate > 0
 
     def admit_model(self, principal: Principal | None, model: str) -> None:
         """The model list of a caller already checked (a gRPC message names its model only once read)."""

@@ -96,6 +96,8 @@ class RegionRouter:
 
     def region_order(self) -> list[Region]:
         home = self.regions[self.home]
+        if len(self.regions) == 1:
+            return [home]
         others = sorted((r for r in self.regions.values() if r.name != self.home), key=lambda r: r.rtt_s())
         return [home, *others]
 

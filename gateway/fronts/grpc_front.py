@@ -55,6 +55,7 @@ class GrpcFront:
         self.gw = gateway
         cfg = gateway.cfg
         self.limits = GrpcLimits(cfg)
+        self._passed: asyncio.Future[None] | None = None  # a rate check with nothing to check
         self.region_key = cfg.routing.region_header.lower()
         self.sticky_key = cfg.traffic.sticky_header.lower() if cfg.traffic else ""
         self.timeout_key = cfg.retries.timeout_header.lower()
@@ -213,8 +214,19 @@ class GrpcFront:
         if path.rpartition(b"/")[2].decode("latin-1") in UNKEYED_METHODS:
             return Precheck(self.gw.caller_of(None, client))
         principal = self.gw.auth.authenticate(authorization, api_key)
-        rate = asyncio.ensure_future(self.gw.check_rate(principal, client))
+        rate: asyncio.Future[None]
+        if self.gw.rate_limited(principal):
+            rate = asyncio.ensure_future(self.gw.check_rate(principal, client))
+        else:  # nothing to wait for: no task per call
+            rate = self._no_limit()
         return Precheck(self.gw.caller_of(principal, client), principal, rate)
+
+    def _no_limit(self) -> asyncio.Future[None]:
+        done = self._passed
+        if done is None:
+            done = self._passed = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+        return done
 
     # -- methods -----------------------------------------------------------------------------------
     async def server_live(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
