@@ -33,12 +33,11 @@ from gateway.errors import (
 )
 from gateway.fronts.http_generate import GenerateFront, parse_generate_path
 from gateway.fronts.http_infer import (
-    JSON,
     AsgiExchange,
     Exchange,
     HttpWire,
     InferLimits,
-    error_body,
+    error_answer,
     parse_infer_path,
 )
 from gateway.fronts.request_id import checked_request_id
@@ -154,18 +153,8 @@ class HttpFront:
     async def _error(
         self, send: Any, exc: BaseException, extra: list[tuple[bytes, bytes]], request_id: str
     ) -> int:
-        status = http_status_for(exc)
-        if isinstance(exc, UpstreamRejected) and exc.body is not None:
-            body = exc.body
-        elif isinstance(exc, GatewayError):
-            body = error_body(exc.message)
-            if status >= 500:
-                logger.warning("request %s failed: %s", request_id, exc.message)
-        else:
-            body = error_body("internal gateway error; see the gateway log for request id " + request_id)
-        headers = [(b"content-type", JSON), (b"content-length", str(len(body)).encode()), *extra]
-        if isinstance(exc, GatewayError):
-            headers += [(k.encode(), v.encode()) for k, v in exc.headers.items()]
+        status, headers, body = error_answer(exc, request_id)
+        headers = [*headers, (b"content-length", str(len(body)).encode()), *extra]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         return status

@@ -119,6 +119,25 @@ def restamp_id(resp: HttpResponse, request_id: str) -> HttpResponse:
     return HttpResponse(resp.status, headers, new_header + resp.body[n:])
 
 
+def error_answer(exc: BaseException, request_id: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """(status, headers, body) answering `exc` in Triton's `{"error": ...}` shape: Triton's own
+    bytes when it refused; an unknown error a 500 without internals, logged with the request id."""
+    status = http_status_for(exc)
+    if isinstance(exc, UpstreamRejected) and exc.body is not None:
+        body = exc.body
+    elif isinstance(exc, GatewayError):
+        body = error_body(exc.message)
+        if status >= 500:
+            logger.warning("request %s failed: %s", request_id, exc.message)
+    else:
+        logger.error("unhandled error, request_id=%s", request_id, exc_info=exc)
+        body = error_body("internal gateway error; see the gateway log for request id " + request_id)
+    headers = [(b"content-type", JSON)]
+    if isinstance(exc, GatewayError):
+        headers += [(k.encode(), v.encode()) for k, v in exc.headers.items()]
+    return status, headers, body
+
+
 class Exchange(Protocol):
     """One request's bytes in and its answer out, as the transport under the front gives them."""
 
@@ -376,22 +395,10 @@ class HttpWire:
         await self.exchange.write(resp.status, headers, resp.body)
 
     async def refuse(self, call: Call, exc: BaseException) -> None:
-        status = http_status_for(exc)
-        if isinstance(exc, UpstreamRejected) and exc.body is not None:
-            body = exc.body
-        elif isinstance(exc, GatewayError):
-            body = error_body(exc.message)
-            if status >= 500:
-                logger.warning("request %s failed: %s", call.request_id, exc.message)
-        else:  # unknown: 500 without internals, logged with the request id
-            logger.error("unhandled error in infer, request_id=%s", call.request_id, exc_info=exc)
-            body = error_body("internal gateway error; see the gateway log for request id " + call.request_id)
+        status, headers, body = error_answer(exc, call.request_id)
         call.status = str(status)
         call.ok = status < 500
-        headers = [(b"content-type", JSON), *self._headers(call)]
-        if isinstance(exc, GatewayError):
-            headers += [(k.encode(), v.encode()) for k, v in exc.headers.items()]
-        await self.exchange.write(status, headers, body)
+        await self.exchange.write(status, [*headers, *self._headers(call)], body)
 
 
 class HttpInferRequest:
