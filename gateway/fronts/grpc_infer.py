@@ -152,6 +152,8 @@ class GrpcLimits:
 class GrpcWire:
     """The pipeline's view of one ModelInfer call (gateway/pipeline/run.py `Wire`)."""
 
+    cancelled = "CANCELLED"
+
     __slots__ = ("gw", "limits", "aliases", "context", "message", "metadata", "sent_id", "req", "answer")
 
     def __init__(
@@ -177,7 +179,6 @@ class GrpcWire:
             pinned=md.get(limits.region_key),
             sticky=md.get(limits.sticky_key) if limits.sticky_key else None,
             timeout_ms=md.get(limits.timeout_key),
-            call_remaining=context.time_remaining(),
             passed_on=any(self.gw.forwarded(k) for k in md),
         )
         pre = getattr(context, "precheck", None)
@@ -208,6 +209,7 @@ class GrpcWire:
             raise BadRequest(f"malformed ModelInferRequest: {exc}") from None
         self.req = req
         call.model, call.version = req.model_name, req.model_version
+        call.named = True
         # The protobuf `id` is Triton's to echo whatever it holds; it names the request in logs
         # and upstream metadata only when it is a valid metadata value.
         call.request_id = call.request_id or (req.id if is_valid_request_id(req.id) else new_request_id())
@@ -241,6 +243,7 @@ class GrpcWire:
                     raise BadRequest(
                         f"input {inp.name!r} has batch size {inp.shape[0]}, above the gateway limit of {limits.max_batch}"
                     )
+        call.call_remaining = self.context.time_remaining()  # now: admission may have waited
         passed_on = tuple((k, v) for k, v in self.metadata.items() if self.gw.forwarded(k))
         metadata = (("x-request-id", call.request_id), *passed_on)
         message = self.message if call.plan is None else self.message + version_field(call.version)

@@ -180,6 +180,8 @@ class InferLimits:
 class HttpWire:
     """The pipeline's view of one HTTP infer request (gateway/pipeline/run.py `Wire`)."""
 
+    cancelled = "499"  # the client closed the connection before its answer (nginx's code)
+
     __slots__ = (
         "gw",
         "limits",
@@ -220,7 +222,7 @@ class HttpWire:
         self, headers: list[tuple[bytes, bytes]], model: str, version: str, client: str, started: float
     ) -> Call:
         """The call this request's headers describe (checked in `check_head`, inside the pipeline)."""
-        call = Call("http", started, model, version, client=client)
+        call = Call("http", started, model, version, client=client, named=True)
         limits, gw, forward = self.limits, self.gw, self.forward
         for k, v in headers:
             if k == b"content-type" or k == b"accept-encoding":
@@ -459,8 +461,9 @@ class HttpInferRequest:
         async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
             if parsed is None:
                 return as_client_error(await server.http_request(b"POST", path, body, forward, timeout_s))
-            # Triton stops work the gateway has given up on: pass this attempt's bound on.
-            data, n = parsed.with_timeout(timeout_s)
+            # Triton stops work the gateway has given up on: pass this attempt's bound on. A shared
+            # answer is keyed on the request as parsed: Triton reads exactly that (canonical) form.
+            data, n = parsed.with_timeout(timeout_s, canonical=shared)
             headers = forward if n is None else [*forward, (HEADER_LENGTH, b"%d" % n)]
             return as_client_error(await server.http_request(b"POST", path, data, headers, timeout_s))
 

@@ -26,7 +26,12 @@ from typing import Any
 
 import httptools
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from gateway.config import GatewayConfig
 from gateway.fronts.http_infer import parse_infer_path
@@ -131,29 +136,40 @@ class InferExchange(RequestResponseCycle):
             await self.flow.drain()
         if self.disconnected or self.response_started:
             return
+        try:
+            head = self._head(status, headers, len(body))
+        except Exception:
+            self.transport.close()  # nothing was sent: the client sees the connection end, not a hang
+            raise
         self.response_started = True
         self.waiting_for_100_continue = False
-        parts = [STATUS_LINE[status]]
-        for name, value in self.default_headers:
-            parts += (name, b": ", value, b"\r\n")
-        for name, value in headers:
-            if name == b"connection" and b"close" in value.lower():
-                self.keep_alive = False
-            parts += (name, b": ", value, b"\r\n")
-        if not self.keep_alive:
-            parts.append(b"connection: close\r\n")
-        parts.append(b"content-length: %d\r\n\r\n" % len(body))
         if len(body) < _COALESCE_BYTES:
-            parts.append(body)
-            self.transport.write(b"".join(parts))
+            self.transport.write(head + body)
         else:
-            self.transport.write(b"".join(parts))
+            self.transport.write(head)
             self.transport.write(body)
         self.response_complete = True
         self.message_event.set()
         if not self.keep_alive:
             self.transport.close()
         self.on_response()
+
+    def _head(self, status: int, headers: list[tuple[bytes, bytes]], length: int) -> bytes:
+        parts = [STATUS_LINE[status]]
+        for name, value in self.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        closing = False
+        for name, value in headers:
+            if HEADER_VALUE_RE.search(value):  # Triton's or the gateway's: never a split response
+                raise ValueError(f"invalid value of response header {name!r}")
+            if name == b"connection" and b"close" in value.lower():
+                self.keep_alive = False
+                closing = True
+            parts += (name, b": ", value, b"\r\n")
+        if not self.keep_alive and not closing:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"content-length: %d\r\n\r\n" % length)
+        return b"".join(parts)
 
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):

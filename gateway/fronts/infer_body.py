@@ -12,8 +12,9 @@ another (cache poisoning). So:
 - The walk is a small recursive descent over the header in which every container element passes
   through Python code, so a large body walked in a worker thread gives the event loop the GIL back
   at the interpreter's switch interval (a single C-level `json.loads` of 9 MB holds it for ~1 s).
-- Small headers (every binary-protocol header, small JSON) are parsed by `json` in C, then keyed
-  and forwarded as one canonical serialisation of the parsed dict: Triton reads what was keyed.
+- Small headers (every binary-protocol header, small JSON) are parsed by `json` in C and keyed on
+  one canonical serialisation of the parsed dict; a request whose answer is cached is forwarded in
+  that form (Triton reads what was keyed), others as received with the deadline spliced in.
 - In larger ones, tensor `data` arrays are not decoded at all: their exact text is located (one
   regex scan for numeric arrays), hashed and forwarded as received, never re-serialised.
 
@@ -36,7 +37,7 @@ from gateway.errors import BadRequest, RequestTooLarge, UnsupportedEncoding
 # walking 64 KiB of string tensors on the loop about as much as that, numbers far less).
 OFF_LOOP_BYTES = 64 * 1024
 # Headers up to this size (every binary-protocol header, small JSON) are parsed by `json` in C and
-# forwarded re-serialised from the parsed dict, so Triton reads exactly what was keyed.
+# keyed on their canonical serialisation (forwarded so when the answer is cached).
 CANONICAL_BYTES = 16 * 1024
 # Deeper structure than any KServe request has; RapidJSON in Triton recurses per level.
 MAX_DEPTH = 32
@@ -409,7 +410,7 @@ class InferBody:
         header: dict[str, Any],
         walker: _Walker | None,
     ) -> None:
-        """`walker` None: the header is forwarded as `canonical_header()` (small headers)."""
+        """`walker` None: a small header, keyed canonically (see `with_timeout`)."""
         self.body = body  # as received (inflated if the client compressed it)
         self.header_length = header_length
         self.text = text
@@ -460,26 +461,29 @@ class InferBody:
         """Whether `key_material` is the exact header text (large headers) rather than canonical JSON."""
         return self._splice is not None
 
-    def with_timeout(self, timeout_s: float) -> tuple[bytes, int | None]:
+    def with_timeout(self, timeout_s: float, canonical: bool = False) -> tuple[bytes, int | None]:
         """The body with the remaining deadline as Triton's `timeout` parameter (microseconds).
 
         A smaller timeout the client sent is kept. The parameter is spliced into the exact bytes
-        received (no re-serialisation); returns (body, new header length or None).
+        received (no re-serialisation); returns (body, new header length or None). `canonical`:
+        a small header is re-serialised instead, as `key_material` keys it (a cached answer must
+        answer what was keyed: number texts that parse alike here may differ to Triton).
         """
         us = max(1, int(timeout_s * 1e6))
         keep = bool(self.timeout_us) and self.timeout_us <= us  # type: ignore[operator]  # 0: "none"
         w = self._splice
         if w is None:
             header = self.header
-            if keep:
+            if keep and not canonical:
                 return self.body, self.header_length
-            if "parameters" not in header:
+            if "parameters" not in header and not canonical:
                 # Spliced after the opening brace of the bytes received: no re-serialisation.
                 at = self.body.index(b"{") + 1
                 spliced = b'"parameters":{"timeout":%d}%s' % (us, b"," if header else b"")
                 body = self.body[:at] + spliced + self.body[at:]
                 return body, (None if self.header_length is None else self.header_length + len(spliced))
-            header = {**header, "parameters": {**header["parameters"], "timeout": us}}
+            if not keep:
+                header = {**header, "parameters": {**header.get("parameters", {}), "timeout": us}}
             data = json.dumps(header, separators=(",", ":")).encode()
             if self.header_length is None:
                 return data, None

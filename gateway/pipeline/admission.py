@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gateway.pipeline import canary
 from gateway.pipeline.call import Call
 
 if TYPE_CHECKING:
@@ -23,16 +24,18 @@ def authenticate(gw: Gateway, call: Call) -> None:
 
 
 async def admit(gw: Gateway, call: Call) -> None:
-    """The model list and the rate limit, once the model is known (from the path, or the message)."""
-    if call.admitted or not call.model:
+    """The model list and the rate limit, once the model is named (by the path, or the message);
+    then, for a model in canary, the version (gateway/pipeline/canary.py)."""
+    if call.admitted or not call.named:
         return
     call.admitted = True
     if call.rate is not None:  # started from the call's headers before its message arrived
-        gw.admit_model(call.principal, call.model)
         await call.rate
-        return
-    gw.admit_model(call.principal, call.model)
-    await gw.check_rate(call.principal, call.client)
+        gw.admit_model(call.principal, call.model)
+    else:
+        gw.admit_model(call.principal, call.model)
+        await gw.check_rate(call.principal, call.client)
+    canary.choose(gw, call)
 
 
 def take_slot(gw: Gateway, call: Call) -> None:

@@ -29,6 +29,7 @@ class Call:
     started: float
     model: str = ""
     version: str = ""
+    named: bool = False  # the model is known (from the path, or once the message is read); "" is a name
     request_id: str = ""  # the id the gateway logs and forwards (x-request-id)
     client: str = ""  # the peer's address
     authorization: str | None = None
@@ -53,6 +54,7 @@ class Call:
     cache_state: str | None = None  # "hit" | "miss" | "coalesced" when the cache was asked
     status: str = "500"  # the metrics label: HTTP status or gRPC code name
     ok: bool = False  # not the server's fault (what a canary is judged on)
+    answered: bool = False  # the answer is on the wire: a later error cannot change it
 
 
 class Request(Protocol, Generic[A]):

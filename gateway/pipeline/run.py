@@ -18,15 +18,18 @@ With `step_timing` each step's time is summed (gateway/pipeline/step_costs.py).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from gateway.pipeline import admission, cached, canary, forward, record, shadow_send
+from gateway.pipeline import admission, cached, forward, record, shadow_send
 from gateway.pipeline.cache_alias import ExactAliases
 from gateway.pipeline.call import Call, Request
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
 
+logger = logging.getLogger(__name__)
 A = TypeVar("A")
 
 
@@ -34,6 +37,7 @@ class Wire(Protocol, Generic[A]):
     """What a front does for the pipeline, in its own protocol."""
 
     aliases: ExactAliases[A]  # the front's exact-bytes aliases (answers are per protocol)
+    cancelled: str  # the metrics label of a request cancelled before its answer
 
     def check_head(self, call: Call) -> None:
         """What the request's head says, checked before anything else (ids, headers, lengths)."""
@@ -68,7 +72,6 @@ async def infer(gw: Gateway, call: Call, wire: Wire[A]) -> None:
         t = costs.lap("body", t)
         await admission.admit(gw, call)  # when the message named it
         admission.take_slot(gw, call)
-        canary.choose(gw, call)
         t = costs.lap("admission", t)
         resolved = alias = None
         if gw.cache_enabled(call.model) and not call.passed_on:
@@ -79,6 +82,7 @@ async def infer(gw: Gateway, call: Call, wire: Wire[A]) -> None:
                 t = costs.lap("cache", t)
                 if hit is not None:
                     await wire.respond(call, hit)
+                    call.answered = True
                     t = costs.lap("respond", t)
                     return
         request = await wire.parse(call)
@@ -100,8 +104,15 @@ async def infer(gw: Gateway, call: Call, wire: Wire[A]) -> None:
         ):
             shadow_send.offer(gw, call, request, answer)
             t = costs.lap("shadow", t)
+    except asyncio.CancelledError:
+        if not call.answered:  # the client went away (or the server is stopping): not the model's fault
+            call.status, call.ok = wire.cancelled, True
+        raise
     except Exception as exc:
-        await wire.refuse(call, exc)
+        if call.answered:  # the client has its answer; what failed after it is the gateway's to log
+            logger.error("after answering request %s", call.request_id, exc_info=exc)
+        else:
+            await wire.refuse(call, exc)
         t = costs.lap("refuse", t)
     finally:
         record.finish(gw, call)

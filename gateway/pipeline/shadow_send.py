@@ -33,7 +33,7 @@ def offer(gw: Gateway, call: Call, request: Request[A], answer: A) -> None:
     probability its stable answer's class gets (gateway/fleet/shadow.py)."""
     assert gw.shadow is not None and gw.cfg.traffic is not None and call.plan is not None
     plan, model, output = call.plan, call.model, gw.cfg.traffic.class_output
-    mirror = request.attempt(plan.canary)
+    mirror = request.attempt(plan.canary, shared=True)  # read for its classes: identity encoding
 
     async def send_mirror() -> Classes:
         deadline = gw.clock() + gw.cfg.retries.default_timeout_s

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -54,8 +55,11 @@ def _body(rows: np.ndarray) -> bytes:
 def _infer(http: str, rows: np.ndarray, client: str) -> dict[str, Any]:
     headers = {"Content-Type": "application/json", "x-skewserve-client": client}
     req = urllib.request.Request(f"http://{http}/v2/models/lt/infer", _body(rows), headers)
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"DEBUG {exc.code} {exc.headers} {exc.read()!r}") from None
 
 
 def _direct(http: str, version: int, rows: np.ndarray) -> np.ndarray:
