@@ -59,7 +59,9 @@ def _infer(http: str, rows: np.ndarray, client: str) -> dict[str, Any]:
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as exc:
-        raise AssertionError(f"DEBUG {exc.code} {exc.headers} {exc.read()!r}") from None
+        raise AssertionError(
+            f"the gateway answered {exc.code} ({dict(exc.headers)}): {exc.read()!r}"
+        ) from None
 
 
 def _direct(http: str, version: int, rows: np.ndarray) -> np.ndarray:

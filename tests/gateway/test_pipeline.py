@@ -99,3 +99,17 @@ def test_per_step_costs_are_exported_when_asked_for(
     untimed = make_gateway(gateway_config(fleet, cache={"backend": "none"}))
     assert http_infer(untimed)[0] == 200
     assert "skewserve_gateway_step_seconds" not in untimed.metrics()
+
+
+def test_a_request_naming_no_model_is_still_rate_limited(
+    fleet: dict[str, list[TritonServer]], make_gateway: Callable[..., GatewayUnderTest]
+) -> None:
+    """The model list and the rate limit run once the model is named, and "" is a name: a client
+    over its rate gets 429 whatever its path names (here the empty model of /v2/models//infer)."""
+    gw = make_gateway(
+        gateway_config(
+            fleet, cache={"backend": "none"}, limits={"per_client_rate_per_s": 0.01, "per_client_burst": 1}
+        )
+    )
+    statuses = [http_infer(gw, model="")[0] for _ in range(3)]
+    assert statuses[0] != 429 and statuses[1:] == [429, 429], statuses
