@@ -153,6 +153,17 @@ def _says_gone(body: bytes, model: str) -> bool:
     return text.startswith(f"Request for unknown model: '{model}' has no available versions".encode())
 
 
+def not_ready_version(body: bytes, model: str) -> str | None:
+    """The version Triton's own answer says is not ready (loading or unloading: a canary being
+    loaded, a version being retired), from its first byte as `_says_gone` reads it; else None."""
+    text = body.removeprefix(b'{"error":"')
+    prefix = f"Request for unknown model: '{model}' version ".encode()
+    if not text.startswith(prefix):
+        return None
+    version, _, rest = text[len(prefix) :].partition(b" ")
+    return version.decode() if version.isdigit() and rest.startswith(b"is not at ready state") else None
+
+
 def _gone(server: UpstreamServer, model: str) -> ModelGone:
     return ModelGone(
         f"{server.region}/{server.name} no longer holds model {model} (unloaded since its last probe)"
@@ -219,6 +230,13 @@ class Dispatcher:
             raise
         else:
             now = self.clock()
+            if isinstance(value, HttpResponse) and value.status >= 400 and routed:
+                stale = not_ready_version(value.body, model)
+                if stale is not None:
+                    # The health view listed the version ready here; Triton did not run the request:
+                    # another server may serve it now, this one once a probe lists it again.
+                    self.forget_version(server, model, stale)
+                    raise _gone(server, model)
             if (
                 isinstance(value, HttpResponse)
                 and value.status in (400, 404)
@@ -237,6 +255,14 @@ class Dispatcher:
             return value
         finally:
             server.inflight -= 1
+
+    @staticmethod
+    def forget_version(server: UpstreamServer, model: str, version: str) -> None:
+        versions = server.ready_models.get(model)
+        if versions is not None:
+            versions.discard(version)
+            if not versions:
+                server.ready_models.pop(model, None)
 
     async def send(
         self,

@@ -364,3 +364,20 @@ def test_reloaded_keys_keep_their_buckets_and_removed_keys_are_refused() -> None
         reloaded.authenticate(None, "key-b")
     changed = reloaded.with_keys(AuthConfig(keys=[{**a, "burst": 2}]))  # a changed entry: a new bucket
     Authenticator.admit(changed.authenticate(None, "key-a"), "m")
+
+
+def test_tritons_version_not_ready_answer_is_read_from_its_first_byte() -> None:
+    from gateway.pipeline.dispatch import not_ready_version
+
+    said = b'{"error":"Request for unknown model: \'lt\' version 2 is not at ready state"}'
+    assert not_ready_version(said, "lt") == "2"
+    assert not_ready_version(said, "other") is None
+    # a client's words echoed later in an error never pass for Triton's own
+    echoed = b'{"error":"[request id: Request for unknown model: \'lt\' version 2 is not at ready state]"}'
+    assert not_ready_version(echoed, "lt") is None
+    assert (
+        not_ready_version(
+            b'{"error":"Request for unknown model: \'lt\' version x is not at ready state"}', "lt"
+        )
+        is None
+    )
