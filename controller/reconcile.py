@@ -247,6 +247,12 @@ class Controller:
                     continue  # another controller is checking the canary here right now
                 want = state.wanted_on(server.name)
                 have = loaded.get(model, [])
+                if canary is not None and have == sorted({*want, canary.version}):
+                    # The undecided canary beside the wanted versions: a check (by this controller or
+                    # another, whose record this pass may not have read yet) put it there. Unloading
+                    # it would reload the model under a check and its traffic; a failed canary is
+                    # unloaded once its state says so.
+                    continue
                 if not want or have == want:
                     if have == want and state.load_failures:
                         self.store.update(

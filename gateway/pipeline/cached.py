@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gateway.pipeline import forward
 from gateway.pipeline.cache_alias import ExactAliases
 from gateway.pipeline.call import Call, Request
 
@@ -50,12 +51,9 @@ async def answer(
     key = await request.cache_key(resolved, gw.cache_tenant(call.principal))
     if alias is not None and not request.request_id:
         aliases.remember(alias, key)
-    attempt = request.attempt(shared=True)
 
     async def fetch() -> tuple[A, bytes | None]:
-        outcome = await gw.send(call.model, call.version, call.pinned, call.deadline, attempt)
-        call.route = outcome.route
-        value: Any = outcome.value
+        value: Any = await forward.send(gw, call, request, shared=True)
         return value, request.storable(value, resolved) if resolved else None
 
     value, state = await gw.cached(key, call.model, fetch, request.decode, call.deadline, call.pinned)

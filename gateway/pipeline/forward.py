@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, TypeVar
 
+from gateway.errors import NoReadyServer
 from gateway.pipeline.call import Call, Request
 
 if TYPE_CHECKING:
@@ -13,15 +14,32 @@ if TYPE_CHECKING:
 A = TypeVar("A")
 
 
-async def send(gw: Gateway, call: Call, request: Request[A]) -> A:
-    outcome = await gw.send(
-        call.model,
-        call.version,
-        call.pinned,
-        call.deadline,
-        request.attempt(),
-        sequence_id=request.sequence_id,
-    )
+async def send(gw: Gateway, call: Call, request: Request[A], shared: bool = False) -> A:
+    """The request's answer from one server. A client the gateway put on a canary (its request named
+    no version) is answered by the stable version when no server has the canary ready (a load or a
+    reload under way): the canary is the gateway's choice, never a reason to fail the client."""
+    try:
+        outcome = await gw.send(
+            call.model,
+            call.version,
+            call.pinned,
+            call.deadline,
+            request.attempt(shared=shared),
+            sequence_id=request.sequence_id,
+        )
+    except NoReadyServer:
+        plan = call.plan
+        if plan is None or call.role != "canary":
+            raise
+        call.version, call.role = plan.stable, "stable"
+        outcome = await gw.send(
+            call.model,
+            call.version,
+            call.pinned,
+            call.deadline,
+            request.attempt(plan.stable, shared=shared),
+            sequence_id=request.sequence_id,
+        )
     call.route = outcome.route
     return outcome.value
 
