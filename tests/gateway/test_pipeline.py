@@ -92,8 +92,7 @@ def test_per_step_costs_are_exported_when_asked_for(
                 seconds[sample.labels["step"]] = sample.value
             elif sample.name == "skewserve_gateway_step_calls_total":
                 calls[sample.labels["step"]] = sample.value
-    assert STEPS <= set(seconds), seconds
-    assert all(seconds[step] > 0 for step in STEPS)
+    assert STEPS <= set(seconds) and STEPS <= set(calls), seconds
     # every request, HTTP or gRPC, passed every step once (admission twice: before and after the body)
     assert calls["record"] == calls["parse"] == calls["dispatch"] == calls["respond"] == 5
     untimed = make_gateway(gateway_config(fleet, cache={"backend": "none"}))
