@@ -197,7 +197,6 @@ class HttpWire:
         "request_ids",
         "body",
         "hl",
-        "extra_headers",
     )
 
     def __init__(

@@ -95,6 +95,7 @@ async def infer(gw: Gateway, call: Call, wire: Wire[A]) -> None:
             answer = await forward.send(gw, call, request)
         t = costs.lap("dispatch", t)
         await wire.respond(call, answer)
+        call.answered = True
         t = costs.lap("respond", t)
         if (
             call.role == "stable"
