@@ -84,15 +84,15 @@ def test_per_step_costs_are_exported_when_asked_for(
         assert http_infer(timed)[0] == 200
     for _ in range(2):
         assert grpc_infer(timed).model_name == "lt"
-    seconds: dict[str, float] = {}
+    exported: set[str] = set()  # steps with a time series (its value is a benchmark's business)
     calls: dict[str, float] = {}
     for family in text_string_to_metric_families(timed.metrics()):
         for sample in family.samples:
             if sample.name == "skewserve_gateway_step_seconds_total":
-                seconds[sample.labels["step"]] = sample.value
+                exported.add(sample.labels["step"])
             elif sample.name == "skewserve_gateway_step_calls_total":
                 calls[sample.labels["step"]] = sample.value
-    assert STEPS <= set(seconds) and STEPS <= set(calls), seconds
+    assert STEPS <= exported and STEPS <= set(calls), (exported, calls)
     # every request, HTTP or gRPC, passed every step once (admission twice: before and after the body)
     assert calls["record"] == calls["parse"] == calls["dispatch"] == calls["respond"] == 5
     untimed = make_gateway(gateway_config(fleet, cache={"backend": "none"}))
