@@ -23,6 +23,7 @@ from gateway.fleet.health import HealthChecker, OutlierDetector
 from gateway.fleet.router import Region, RegionRouter
 from gateway.fleet.shadow import Shadow
 from gateway.fleet.traffic import Traffic
+from gateway.fronts.forward_headers import NEVER_FORWARDED, NEVER_FORWARDED_PREFIXES
 from gateway.operations.metrics import OTHER_MODEL, GatewayMetrics
 from gateway.pipeline.dispatch import WHOLE_DEADLINE, Attempt, Dispatcher, Outcome, SequenceId
 from gateway.pipeline.step_costs import StepCosts
@@ -100,18 +101,11 @@ class Gateway:
         self.auth = Authenticator(cfg.auth, clock)
         pattern = cfg.routing.header_forward_pattern
         self._forward_pattern = re.compile(pattern, re.IGNORECASE) if pattern else None
-        self._never_forwarded = frozenset(
-            {
-                "authorization",
-                "x-api-key",
-                "host",
-                "content-length",
-                "transfer-encoding",
-                "connection",
-                cfg.routing.region_header.lower(),
-                cfg.retries.timeout_header.lower(),
-            }
-        )
+        self._never_forwarded = NEVER_FORWARDED | {
+            cfg.routing.region_header.lower(),
+            cfg.retries.timeout_header.lower(),
+            *([cfg.traffic.sticky_header.lower()] if cfg.traffic else []),
+        }
         # Request bytes held by both fronts together: one bound for the worker, one per caller.
         self.bodies = BodyBudget(cfg.limits.max_buffered_body_bytes, cfg.limits.per_caller_body_bytes)
         # Open streams (gRPC ModelStreamInfer, HTTP generate_stream) of both fronts together.
@@ -446,9 +440,12 @@ class Gateway:
     def forwarded(self, name: str) -> bool:
         """Whether a client header / metadata key reaches Triton (routing.header_forward_pattern);
         keys and the gateway's own headers never do."""
+        if self._forward_pattern is None:
+            return False
+        lowered = name.lower()
         return (
-            self._forward_pattern is not None
-            and name not in self._never_forwarded
+            lowered not in self._never_forwarded
+            and not lowered.startswith(NEVER_FORWARDED_PREFIXES)
             and self._forward_pattern.search(name) is not None
         )
 

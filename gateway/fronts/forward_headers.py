@@ -14,6 +14,31 @@ _FORWARDED_NAMES = {b"content-type": "Content-Type", b"accept-encoding": "Accept
 
 _UNPRINTABLE = re.compile(rb"[^\x20-\x7e]")
 
+# Never forwarded, whatever routing.header_forward_pattern says. Hop-by-hop headers (RFC 9110
+# 7.6.1, and Keep-Alive/Proxy-Connection of RFC 2068) describe one connection, not the request:
+# an `Expect: 100-continue` passed on makes Triton answer `100 Continue` first, which a proxy must
+# never take for the answer. Keys and framing are the gateway's own to send.
+NEVER_FORWARDED = frozenset(
+    {
+        "authorization",
+        "x-api-key",
+        "host",
+        "content-length",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "expect",
+        "http2-settings",
+    }
+)
+# Proxy-Authorization, Proxy-Connection...; the gateway's own headers, which HAProxy and Triton
+# would otherwise take as the gateway's word (x-skewserve-peer, -target-ip, -target-port).
+NEVER_FORWARDED_PREFIXES = ("proxy-", "x-skewserve-")
+
 
 def checked_forward_header(name: bytes, value: bytes) -> bytes:
     """`value`, or BadRequest naming the header when Triton could not read it."""

@@ -50,12 +50,19 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.keep_alive = True
         self.got_bytes = False
+        # Set once the request's final answer is in: any byte after it (a second answer, an
+        # unsolicited one) means this connection no longer pairs answers with requests.
+        self.answered = False
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.waiter is None or self.answered:
+            # Bytes nobody asked for: never let a later request read them as its answer.
+            self.close()
+            return
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
@@ -71,6 +78,10 @@ class _Connection(asyncio.Protocol):
             )
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.answered:  # a second answer in the same read: the connection is out of step
+            self.keep_alive = False
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 
@@ -78,8 +89,16 @@ class _Connection(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        self.keep_alive = self.parser.should_keep_alive()
-        resp = HttpResponse(self.parser.get_status_code(), self.headers, b"".join(self.body))
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            # An interim answer (RFC 9110 15.2): the final one follows on this connection.
+            self.headers, self.body = [], []
+            return
+        if self.answered:
+            return  # on_message_begin already took the connection out of the pool
+        self.answered = True
+        self.keep_alive = self.keep_alive and self.parser.should_keep_alive()
+        resp = HttpResponse(status, self.headers, b"".join(self.body))
         self.headers, self.body = [], []
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(resp)
@@ -167,6 +186,7 @@ class HttpPool:
         loop = asyncio.get_running_loop()
         conn.waiter = loop.create_future()
         conn.got_bytes = False
+        conn.answered = False
         assert conn.transport is not None
         try:
             conn.transport.write(b"".join(head) + body if len(body) < 65536 else b"".join(head))

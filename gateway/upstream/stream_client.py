@@ -56,8 +56,15 @@ class StreamedResponse(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name, value))
 
+    def _interim(self) -> bool:
+        """An interim (1xx) answer: the final one follows on this connection (RFC 9110 15.2)."""
+        status = self.parser.get_status_code()
+        return 100 <= status < 200 and status != 101
+
     def on_headers_complete(self) -> None:
-        if not self._head.done():
+        if self._interim():
+            self._headers = []
+        elif not self._head.done():
             self._head.set_result(HttpResponse(self.parser.get_status_code(), self._headers, b""))
 
     def on_body(self, body: bytes) -> None:
@@ -69,6 +76,8 @@ class StreamedResponse(asyncio.Protocol):
             self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
+        if self._interim():
+            return
         self._done = True
         self._ready.set()
 

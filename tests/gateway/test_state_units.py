@@ -360,3 +360,27 @@ def test_body_budget_bounds_each_caller_and_the_worker_and_forgets_idle_callers(
     same.reserve("key:a", 900)
     with pytest.raises(BodiesExhausted, match=r"\(limits.max_buffered_body_bytes\)"):
         same.reserve("key:a", 200)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Expect", "expect", "Connection", "Keep-Alive", "TE", "Trailer", "Transfer-Encoding", "Upgrade",
+        "Proxy-Authorization", "Proxy-Connection", "Host", "Content-Length", "Authorization", "X-Api-Key",
+        "x-skewserve-peer", "X-Skewserve-Target-Ip", "x-skewserve-target-port", "x-skewserve-client",
+        "x-skewserve-region", "x-skewserve-timeout-ms", "x-my-region", "x-my-client",
+    ],
+)  # fmt: skip
+def test_hop_by_hop_keys_and_the_gateways_own_headers_are_never_forwarded(name: str) -> None:
+    from gateway.core import Gateway
+
+    async def run() -> bool:
+        cfg = _cfg(
+            routing={"header_forward_pattern": ".*", "region_header": "x-my-region"},
+            traffic={"controller_url": "http://127.0.0.1:1", "sticky_header": "x-my-client"},
+        )
+        gw = Gateway(cfg)
+        assert gw.forwarded("x-tenant-id") and gw.forwarded("X-Tenant-Id")
+        return gw.forwarded(name)
+
+    assert asyncio.run(run()) is False

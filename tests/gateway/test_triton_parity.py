@@ -185,7 +185,7 @@ class TritonPythonModel:
             for r in requests
         ]
 """
-PATTERN = "^x-tenant-"
+PATTERN = ".*"  # Triton passes on every header: whatever reaches the model, the gateway let through
 
 
 @pytest.fixture(scope="module")
@@ -237,28 +237,80 @@ def test_headers_matching_the_forward_pattern_reach_the_model_and_keys_never_do(
 
     key = "sk-forward-test-key-0123456789"
     triton = echo_triton["us-east"][0]
-    sent = {"x-tenant-id": "acme", "x-other": "dropped", "authorization": f"Bearer {key}"}
-    direct = _echoed_http(triton.http_address, sent)
-    assert direct.get("x-tenant-id") == "acme" and "x-other" not in direct
-    plain = make_gateway(
-        gateway_config(
-            echo_triton,
-            cache={"backend": "memory", "models": ["echo_params"]},
-            auth={"keys": [{"name": "k", "sha256": hash_key(key)}]},
-        )
-    )
-    assert "x-tenant-id" not in _echoed_http(plain.http, sent)  # off unless configured
+    sent = {"x-tenant-id": "acme", "x-other": "kept", "authorization": f"Bearer {key}"}
+    direct = _lowered(_echoed_http(triton.http_address, sent))
+    # This Triton shows the model every header, keys too: only the gateway can keep them back.
+    assert (direct.get("x-tenant-id"), direct.get("authorization")) == ("acme", f"Bearer {key}")
+    keys = {"keys": [{"name": "k", "sha256": hash_key(key)}]}
+    cache = {"backend": "memory", "models": ["echo_params"]}
+    plain = make_gateway(gateway_config(echo_triton, cache=cache, auth=keys))
+    assert not {"x-tenant-id", "x-other", "authorization"} & set(_lowered(_echoed_http(plain.http, sent)))
     everything = make_gateway(
-        gateway_config(
-            echo_triton,
-            cache={"backend": "memory", "models": ["echo_params"]},
-            auth={"keys": [{"name": "k", "sha256": hash_key(key)}]},
-            routing={"header_forward_pattern": ".*"},  # wider than Triton's: Triton filters again
-        )
+        gateway_config(echo_triton, cache=cache, auth=keys, routing={"header_forward_pattern": ".*"})
     )
-    via = _echoed_http(everything.http, sent)
-    assert via.get("x-tenant-id") == "acme" and "authorization" not in via
+    via = _lowered(_echoed_http(everything.http, sent))
+    assert (via.get("x-tenant-id"), via.get("x-other")) == ("acme", "kept")
+    assert "authorization" not in via
+    by_api_key = _lowered(_echoed_http(everything.http, {"x-tenant-id": "acme", "x-api-key": key}))
+    assert "x-api-key" not in by_api_key and by_api_key.get("x-tenant-id") == "acme"
     # Another tenant's value is its own answer, never a cache hit of the first.
     assert _echoed_http(everything.http, {**sent, "x-tenant-id": "globex"}).get("x-tenant-id") == "globex"
     grpc_via = _echoed_grpc(everything.grpc, (("x-tenant-id", "acme"), ("authorization", f"Bearer {key}")))
     assert grpc_via.get("x-tenant-id") == "acme" and "authorization" not in grpc_via
+
+
+def _lowered(echoed: dict[str, object]) -> dict[str, object]:
+    return {k.lower(): v for k, v in echoed.items()}
+
+
+# Hop-by-hop headers (RFC 9110 7.6.1) and the gateway's own: never the model's to see.
+HOP_BY_HOP = {
+    "expect": "100-continue",
+    "keep-alive": "timeout=5",
+    "te": "trailers",
+    "trailer": "x-checksum",
+    "proxy-authorization": "Basic c2VjcmV0OnNlY3JldA==",
+    "proxy-connection": "keep-alive",
+    "x-skewserve-peer": "10.9.9.9",
+    "x-skewserve-target-ip": "127.0.0.1",
+    "x-skewserve-target-port": "1",
+    "x-skewserve-client": "someone-else",
+    "x-skewserve-server": "us-east-0",
+}
+
+
+def test_hop_by_hop_and_the_gateways_own_headers_never_reach_the_model(echo_triton, make_gateway) -> None:
+    gw = make_gateway(
+        gateway_config(
+            echo_triton,
+            cache={"backend": "memory", "models": ["echo_params"]},
+            routing={"header_forward_pattern": ".*"},
+        )
+    )
+    seen = _lowered(_echoed_http(gw.http, {"x-tenant-id": "acme", **HOP_BY_HOP}))
+    assert seen.get("x-tenant-id") == "acme"
+    assert sorted(set(HOP_BY_HOP) & set(seen)) == []
+    assert [k for k in seen if k.startswith("x-skewserve-")] == []
+    # HTTP/2 itself refuses connection-specific fields (RFC 9113 8.2.2): only these can be metadata.
+    metadata = tuple((k, v) for k, v in HOP_BY_HOP.items() if k.startswith(("x-", "proxy-auth")))
+    seen_grpc = _lowered(_echoed_grpc(gw.grpc, (("x-tenant-id", "acme"), *metadata)))
+    assert seen_grpc.get("x-tenant-id") == "acme"
+    assert sorted(k for k in seen_grpc if k.startswith(("x-skewserve-", "proxy-"))) == []
+
+
+def test_an_expect_header_never_hands_one_callers_answer_to_another(echo_triton, make_gateway) -> None:
+    """Issue 40 item 1: `Expect: 100-continue` passed on made Triton answer `100 Continue` first;
+    the gateway took it for the answer and left the real one on the pooled connection, where the
+    next caller read it (and the cache kept it). Every caller must read its own answer."""
+    gw = make_gateway(
+        gateway_config(
+            echo_triton,
+            cache={"backend": "memory", "models": ["echo_params"]},
+            routing={"header_forward_pattern": ".*"},
+        )
+    )
+    for i in range(10):
+        attacker = _echoed_http(gw.http, {"x-tenant-id": f"attacker-{i}", "expect": "100-continue"})
+        assert attacker.get("x-tenant-id") == f"attacker-{i}"
+        victim = _echoed_http(gw.http, {"x-tenant-id": f"victim-{i}"})
+        assert victim.get("x-tenant-id") == f"victim-{i}", (i, victim)

@@ -1,0 +1,129 @@
+"""The upstream HTTP client against a real socket server that answers as a misbehaving or
+interim-answering HTTP/1.1 server would: every request reads its own final answer, or none."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from gateway.upstream.http_client import HttpPool
+
+
+def _answer(body: bytes, status: bytes = b"200 OK") -> bytes:
+    return b"HTTP/1.1 " + status + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+
+
+async def _serve(reply: Callable[[int], bytes]) -> tuple[asyncio.Server, str, list[int]]:
+    """A server that answers its n-th request (over all connections) with `reply(n)`."""
+    count = [0]
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+                await reader.readexactly(length)
+                count[0] += 1
+                writer.write(reply(count[0]))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"127.0.0.1:{port}", connections
+
+
+def test_interim_answers_are_skipped_and_the_final_one_is_the_requests() -> None:
+    async def main() -> list[tuple[int, bytes]]:
+        server, address, _ = await _serve(
+            lambda n: (
+                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+                + _answer(f"answer-{n}".encode())
+            )
+        )
+        pool = HttpPool(address)
+        try:
+            got = []
+            for _ in range(3):
+                resp = await pool.request(b"POST", b"/x", b"{}", timeout_s=10)
+                got.append((resp.status, resp.body))
+            return got
+        finally:
+            await pool.close()
+            server.close()
+
+    assert asyncio.run(main()) == [(200, b"answer-1"), (200, b"answer-2"), (200, b"answer-3")]
+
+
+def test_bytes_after_an_answer_never_become_the_next_requests_answer() -> None:
+    """A server that sends two answers to one request (the second unasked for): the connection is
+    dropped, and the next request gets its own answer on a new one."""
+
+    async def main() -> tuple[list[bytes], int]:
+        server, address, connections = await _serve(
+            lambda n: (
+                _answer(f"answer-{n}".encode()) + _answer(b"stray")
+                if n == 1
+                else _answer(f"answer-{n}".encode())
+            )
+        )
+        pool = HttpPool(address)
+        try:
+            bodies = [(await pool.request(b"POST", b"/x", b"{}", timeout_s=10)).body for _ in range(3)]
+            return bodies, len(connections)
+        finally:
+            await pool.close()
+            server.close()
+
+    bodies, connections = asyncio.run(main())
+    assert bodies == [b"answer-1", b"answer-2", b"answer-3"]
+    assert connections == 2  # the first connection, out of step after the stray answer, was not reused
+
+
+def test_an_answer_arriving_while_the_connection_is_idle_closes_it() -> None:
+    async def main() -> list[bytes]:
+        stray = asyncio.Event()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            n = 0
+            try:
+                while True:
+                    await reader.readuntil(b"\r\n\r\n")
+                    await reader.readexactly(2)
+                    n += 1
+                    writer.write(_answer(f"answer-{n}".encode()))
+                    await writer.drain()
+                    if n == 1:
+                        await stray.wait()
+                        writer.write(_answer(b"stray"))
+                        await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        pool = HttpPool(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            first = await pool.request(b"POST", b"/x", b"{}", timeout_s=10)
+            idle = pool._idle[-1]
+            stray.set()
+            async with asyncio.timeout(30):  # a bound, not a duration under test
+                while not idle.closed:  # the stray answer arrives on the idle connection
+                    await asyncio.sleep(0.01)
+            second = await pool.request(b"POST", b"/x", b"{}", timeout_s=10)
+            return [first.body, second.body]
+        finally:
+            await pool.close()
+            server.close()
+
+    assert asyncio.run(main()) == [b"answer-1", b"answer-1"]  # the second on a new connection: its own first
