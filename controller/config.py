@@ -26,6 +26,12 @@ class ControllerConfig(BaseModel):
     retry_after_s: float = Field(
         default=30.0, gt=0, description="first wait before loading a version that failed on a server again"
     )
+    absent_passes_before_unload: int = Field(
+        default=3,
+        ge=1,
+        description="a loaded model is unloaded as gone from the repository only once this many passes "
+        "in a row listed the repository successfully, non-empty, and without it",
+    )
     keep_versions: int = Field(
         default=3,
         ge=1,

@@ -4,7 +4,9 @@ is repaired by the next pass).
 
 Per pass, for every server and model: load when the READY versions differ from the wanted ones
 (the served versions; plus the canary where it passed), unload models the repository no longer
-holds. A load that fails is recorded in the model's state (which version failed where) and retried
+holds. Never on doubt: a model whose record cannot be read keeps whatever servers have loaded, and
+a listing that failed or came back empty unloads nothing; a model is unloaded as gone only once
+`absent_passes_before_unload` passes in a row listed the repository, non-empty, without it. A load that fails is recorded in the model's state (which version failed where) and retried
 after a back-off; the server and its other models keep serving. Then each model in canary advances:
 the servers not yet checked are checked one by one under the canary lease; all passed means
 promoted, one failure means the version is failed and every server goes back to the served ones.
@@ -52,6 +54,7 @@ class PassReport:
     unreachable: list[str] = field(default_factory=list)
     canary: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    absent: list[str] = field(default_factory=list)  # loaded, not listed, not yet confirmed gone
     placement: dict[str, list[str]] = field(default_factory=dict)  # server -> models it holds
     evictions: list[str] = field(default_factory=list)
     unplaced: dict[str, str] = field(default_factory=dict)
@@ -78,6 +81,9 @@ class Controller:
         self.me = f"controller-{uuid.uuid4().hex[:8]}"
         self.canary_log: list[str] = []  # every canary step this controller took, for the CLI
         self._retry_at: dict[tuple[str, str, tuple[int, ...]], tuple[float, float]] = {}
+        # model -> passes in a row whose good listing did not hold it while a server had it loaded
+        self._absent: dict[str, int] = {}
+        self._gone: set[str] = set()  # confirmed absent: unloaded wherever a server still holds it
         self.passes = 0
         # placement by demand (cfg.placement): what it measured and decided last
         self.demand = DemandTracker()
@@ -107,7 +113,20 @@ class Controller:
     def reconcile_once(self) -> PassReport:
         report = PassReport()
         states: dict[str, DesiredState] = {}
-        for model in self.models():
+        try:
+            listed: list[str] | None = list(self.models())
+        except Exception as exc:  # the store is down or slow: no model's records this pass
+            report.failures.append(f"repository listing failed: {exc}; nothing unloaded this pass")
+            logger.warning("repository listing failed: %s; nothing unloaded this pass", exc)
+            listed = None
+        if listed is not None and not listed and not self.scoped:
+            # An empty prefix is far likelier a wrong bucket, a permissions change or a partial
+            # listing than an operator removing every model: doubt, so nothing is unloaded.
+            report.failures.append("repository listing came back empty; nothing unloaded this pass")
+            logger.warning("repository listing came back empty; nothing unloaded this pass")
+            listed = None
+        unreadable: set[str] = set()
+        for model in listed or []:
             try:  # one model's unreadable state (or store error) stops no other model
                 state = self.store.current(model)
                 if state is not None and self._materialized.get(model) != state.generation:
@@ -117,11 +136,15 @@ class Controller:
             except Exception as exc:
                 report.failures.append(f"{model}: desired state unreadable: {exc}")
                 logger.warning("%s: desired state unreadable: %s", model, exc)
+                unreadable.add(model)
                 continue
             if state is not None:
                 states[model] = state
-        if not self.scoped:
-            self.traffic_plans = traffic_plans(states.values())
+        if not self.scoped and listed is not None:
+            # A model whose record could not be read keeps the plan the gateways follow now.
+            plans = traffic_plans(states.values())
+            plans.update({m: p for m, p in self.traffic_plans.items() if m in unreadable})
+            self.traffic_plans = plans
         servers = self.servers()
         report.servers = [s.name for s in servers]
         if servers:
@@ -132,6 +155,7 @@ class Controller:
                 )
                 reachable = {s: stats for s, stats in observed.items() if stats is not None}
                 self.held_anywhere = {m for stats in reachable.values() for m in loaded_versions(stats)}
+                self._gone = self._confirm_absent(listed, report)
                 self.placed = self._place(reachable, states, report) if self.cfg.placement else None
                 list(
                     pool.map(lambda item: self._converge(item[0], item[1], states, report), reachable.items())
@@ -272,7 +296,7 @@ class Controller:
             else:
                 for model, state, want, have in todo:
                     self._load(server, model, state, want, have, report, admin)
-            for model in [] if self.scoped else sorted(set(loaded) - set(states)):
+            for model in [] if self.scoped else sorted(set(loaded) & self._gone):
                 try:
                     admin.unload(model)
                     report.loads.append(f"{server.name}: {model} unloaded (not in the repository)")
@@ -280,6 +304,19 @@ class Controller:
                     report.failures.append(str(exc))
         finally:
             admin.close()
+
+    def _confirm_absent(self, listed: list[str] | None, report: PassReport) -> set[str]:
+        """Loaded models this pass may unload as gone: absent from `absent_passes_before_unload`
+        good listings in a row. A pass without a good listing neither counts nor confirms."""
+        if listed is None or self.scoped:
+            return set()
+        absent = self.held_anywhere - set(listed)
+        self._absent = {m: self._absent.get(m, 0) + 1 for m in absent}
+        needed = self.cfg.absent_passes_before_unload
+        for model, passes in sorted(self._absent.items()):
+            if passes < needed:
+                report.absent.append(f"{model}: not listed ({passes}/{needed} passes before unloading)")
+        return {m for m, passes in self._absent.items() if passes >= needed}
 
     def _load(
         self,
