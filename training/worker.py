@@ -13,6 +13,8 @@ waiting in the all-reduce for slower ranks. Marks go through a `StepClock`: CUDA
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import gc
 import json
 import logging
 import math
@@ -599,12 +601,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="skewserve training worker (launched by `skewserve train`)")
     parser.add_argument("--config", required=True, help="TrainConfig as JSON")
     args = parser.parse_args(argv)
+    # A worker killed by a signal (SIGABRT from a C++ runtime, SIGSEGV) leaves every thread's Python
+    # stack in the node's log instead of only torchrun's "Signal 6 received".
+    faulthandler.enable(all_threads=True)
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s rank" + os.environ.get("RANK", "0") + " %(name)s: %(message)s",
     )
     cfg = TrainConfig.model_validate(json.loads(open(args.config).read()))
     run(cfg)
+    # The job is done (artifact written, every rank past the last barrier, the process group
+    # destroyed): leave without interpreter finalization. There, C++ threads of torch's
+    # distributed stack can abort the process ("terminate called without an active exception",
+    # seen on a resumed two-node job under load); torchrun then counts a finished rank as failed,
+    # ends its node, and the other node waits out its exit barrier (300 s).
+    gc.collect()  # the trainer's DataLoader workers are shut down by its iterator's finaliser
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
