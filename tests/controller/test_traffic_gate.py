@@ -61,3 +61,21 @@ def test_reports_sum_the_latest_of_each_reporter_per_canary() -> None:
     reports.add(TrafficReport(reporter="a", models={"m": other}))
     assert reports.total("m", 2, 100.0).roles["canary"].requests == 9
     assert reports.total("m", 2, 200.0).roles["canary"].requests == 0
+
+
+def test_a_canary_wrong_on_one_rare_class_fails_though_overall_agreement_is_high() -> None:
+    """1000/1000 agreeing head answers and 5/20 on a rare class: 98.5% overall, above the 90% bar,
+    and the gate still fails the canary, naming the rare class."""
+    canary = Canary(version=2, shadow=0.5, gate=GATE, started=100.0)
+    tally = _tally(stable=_role(2040), shadow=_role(1020))
+    tally.classes = {
+        "head": ClassTally(seen=2000, mirrored=1000, agree=1000),
+        "rare": ClassTally(seen=40, mirrored=20, agree=5, disagree=15),
+    }
+    overall = sum(c.agree for c in tally.classes.values()) / sum(c.mirrored for c in tally.classes.values())
+    assert overall > GATE.agreement
+    failed = verdict(canary, tally, 110)
+    assert (failed.decision, failed.text) == (
+        "fail",
+        "shadow agrees with the stable version on 25.0% of class rare (5 of 20), below 90%",
+    )

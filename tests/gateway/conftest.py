@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import subprocess
 import time
@@ -159,9 +160,13 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     assert binary, "redis-server is required (make setup installs it)"
     port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
+    # As deployed (deploy/ sets requirepass): every client of the tests' Redis must hold the password.
+    password = secrets.token_hex(16)
     proc = subprocess.Popen(
         [
             binary,
+            "--requirepass",
+            password,
             "--port",
             str(port),
             "--bind",
@@ -178,7 +183,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     )
     import redis
 
-    client = redis.Redis(port=port)
+    client = redis.Redis(port=port, password=password)
     deadline = time.monotonic() + 20
     while True:
         try:
@@ -189,6 +194,6 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 proc.kill()
                 raise
             time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
+    yield f"redis://:{password}@127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(10)

@@ -222,6 +222,29 @@ def test_redis_is_shared_by_two_gateways_and_tampering_is_rejected(
     assert _cache_header(gw1.http, x)[0] == "hit"  # re-stored intact after the miss
 
 
+def test_a_gateway_without_the_redis_password_is_refused_and_serves_from_triton(
+    fleet, make_gateway, redis_url: str
+) -> None:
+    """The tests' Redis requires a password, as deployed: a gateway given the URL without it is
+    refused by Redis (nothing stored under its namespace) and fails open to Triton."""
+    url_without_password = "redis://" + redis_url.split("@", 1)[1]
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(url_without_password).ping()
+    cache = {"backend": "redis", "hmac_secret": SECRET, "namespace": "nopass"}
+    keyless = make_gateway(gateway_config(fleet, cache={**cache, "redis_url": url_without_password}))
+    keyed = make_gateway(
+        gateway_config(fleet, cache={**cache, "namespace": "withpass", "redis_url": redis_url})
+    )
+    client = redis.Redis.from_url(redis_url)
+    for gw, x in ((keyless, _row(401)), (keyed, _row(402))):
+        for _ in range(2):
+            state, body = _cache_header(gw.http, x)
+            assert len(body["outputs"]) > 0
+    wait_until(lambda: len(client.keys("withpass:*")) == 1, 10, "the keyed gateway's write to redis")
+    assert client.keys("nopass:*") == []
+    assert _cache_header(keyless.http, _row(401))[0] == "miss"  # never a hit: Redis never took an entry
+
+
 @pytest.mark.slow
 def test_new_model_version_is_never_served_a_stale_entry(
     gateway_repo: Path, small_artifact: Path, tmp_path: Path, prepared_triton, make_gateway
