@@ -69,8 +69,10 @@ class Controller:
         key: str,
         cfg: ControllerConfig | None = None,
         models: Callable[[], list[str]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
+        self.clock = clock  # when a failed load is tried again (tests move it)
         self.servers = servers
         self.key = key
         self.cfg = cfg or ControllerConfig()
@@ -249,7 +251,7 @@ class Controller:
         loaded = loaded_versions(stats)
         placed = None if self.placed is None else self.placed.get(server.name, set())
         try:
-            now = time.monotonic()
+            now = self.clock()
             todo: list[tuple[str, DesiredState, list[int], list[int]]] = []
             # evictions first: they make the room the loads of this pass may need
             for model, state in sorted(states.items()):
@@ -333,14 +335,14 @@ class Controller:
         client = self.admin(server) if admin is None else admin
         key = (server.name, model, tuple(want))
         _, wait = self._retry_at.get(key, (0.0, self.cfg.retry_after_s))
-        started = time.monotonic()
+        started, asked = time.monotonic(), self.clock()
         try:
             client.load(model, None if want == state.served else want)
             took = time.monotonic() - started
             self.load_s[model] = 0.5 * took + 0.5 * self.load_s.get(model, took)
         except ControlError as exc:
             reason = str(exc)
-            self._retry_at[key] = (started + wait, min(wait * 2, 600.0))
+            self._retry_at[key] = (asked + wait, min(wait * 2, 600.0))
             for v in [v for v in want if v not in have] or want:
                 self.store.update(
                     model, partial(DesiredState.load_failed, version=v, server=server.name, reason=reason)
