@@ -390,3 +390,26 @@ def test_bodies_being_received_are_bounded_in_bytes(one_triton, make_gateway) ->
         if (status := _post(g.http, padded, model="lt_nocache")[0]) == 200:
             break
     assert status == 200
+
+
+def test_a_keyless_gzip_body_is_refused_before_it_is_read_or_inflated(one_triton, make_gateway) -> None:
+    """The 401 comes back while almost all of the compressed body is still unsent: the gateway
+    answered from the headers, without reading the body, let alone inflating it."""
+    from gateway.state.auth import hash_key
+
+    g = make_gateway(
+        gateway_config(one_triton, auth={"keys": [{"name": "k", "sha256": hash_key("sk-" + "k" * 30)}]})
+    )
+    bomb = gzip.compress(b'{"inputs":[' + b" " * 50_000_000 + b"]}")
+    host, port = g.http.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(
+            b"POST /v2/models/lt/infer HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            b"Content-Encoding: gzip\r\nContent-Length: " + str(len(bomb)).encode() + b"\r\n\r\n" + bomb[:64]
+        )
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = s.recv(4096)
+            assert chunk, answer
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
