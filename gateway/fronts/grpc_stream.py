@@ -36,6 +36,7 @@ from gateway.errors import (
     GatewayError,
     NoReadyServer,
     Overloaded,
+    Unauthenticated,
     UpstreamRejected,
     UpstreamTimeout,
     grpc_code_for,
@@ -288,6 +289,17 @@ class StreamInfer:
             held[0] = 0
             async for raw in requests:
                 idle.at = gw.clock()
+                if not gw.auth.is_current(principal):
+                    # A reload revoked (or changed) the key this stream was opened with: its next
+                    # message is not forwarded, and the stream ends.
+                    assert principal is not None
+                    revoked = Unauthenticated(
+                        f"API key {principal.name!r} was revoked or changed while this stream was open; "
+                        "open a new stream with a current key"
+                    )
+                    await out.put(_Failed(revoked))  # queued before the cancel's end of Triton's side
+                    call.cancel()
+                    return
                 req: pb.ModelInferRequest | None = None
                 try:
                     budget.reserve(caller, len(raw))

@@ -65,6 +65,11 @@ class Authenticator:
             self._by_entry[entry] = principal
             self._keys.append((bytes.fromhex(k.sha256), principal))
 
+    def is_current(self, principal: Principal | None) -> bool:
+        """Whether a caller authenticated earlier (an open stream's) still holds a key of this
+        list as it was: False once a reload removed or changed its key."""
+        return principal is None or any(p is principal for p in self._by_entry.values())
+
     def with_keys(self, cfg: AuthConfig) -> Authenticator:
         """An authenticator for a reloaded key list. A key whose entry did not change keeps its
         principal, so its rate bucket is not refilled by a reload; a removed key is refused at once."""

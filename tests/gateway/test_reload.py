@@ -404,3 +404,61 @@ def test_a_leaked_key_is_revoked_live_on_every_worker(pair: list[TritonServer], 
         assert _infer_status(gw, keep) == (200, "OK") and _infer_status(gw, leaked)[0] == 401
     finally:
         gw.stop()
+
+
+def test_a_revoked_keys_open_stream_is_ended_and_other_streams_go_on(
+    pair: list[TritonServer], tmp_path: Path
+) -> None:
+    """Issue 40, item 5: a ModelStreamInfer stream opened with a key that a reload then revokes
+    is ended (UNAUTHENTICATED, no further answer); a stream of a key that stays goes on."""
+    import queue
+
+    import grpc
+
+    from gateway.state.auth import hash_key
+    from tests.gateway.test_data_plane import infer_request
+
+    keep, leaked = "sk-keep-9a7b5d1c0e", "sk-leaked-2a6c413f8e"
+    keys = [{"name": "keep", "sha256": hash_key(keep)}, {"name": "leaked", "sha256": hash_key(leaked)}]
+    cfg = _config({"a": pair[0]}, auth={"keys": keys})
+    gw = launch_gateway(cfg, tmp_path)
+    channels = []
+    try:
+
+        def stream(key: str) -> tuple[queue.Queue[Any], Iterator[Any]]:
+            ch = grpc.insecure_channel(f"{gw.host}:{gw.grpc_port}")
+            channels.append(ch)
+            call = ch.stream_stream(
+                "/inference.GRPCInferenceService/ModelStreamInfer",
+                request_serializer=lambda r: r.SerializeToString(),
+                response_deserializer=lambda b: b,
+            )
+            sent: queue.Queue[Any] = queue.Queue()
+            answers = call(iter(sent.get, None), timeout=60, metadata=(("x-api-key", key),))
+            return sent, answers
+
+        streams = {key: stream(key) for key in (keep, leaked)}
+        for sent, answers in streams.values():
+            sent.put(infer_request())
+            assert next(answers)  # open and answered
+        new = copy.deepcopy(cfg)
+        new["auth"]["keys"] = keys[:1]
+        _rewrite(gw, new)
+        gw.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: _reloads(gw)["applied"] == 1, timeout=30)
+        sent, answers = streams[leaked]
+        sent.put(infer_request())
+        with pytest.raises(grpc.RpcError) as ended:
+            got = next(answers)
+            raise AssertionError(f"the revoked key's stream was answered: {got[:80]!r}")
+        assert ended.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+        assert "revoked" in (ended.value.details() or "")  # type: ignore[attr-defined]
+        sent, answers = streams[keep]
+        sent.put(infer_request())
+        assert next(answers)
+        for sent, _ in streams.values():
+            sent.put(None)
+    finally:
+        for ch in channels:
+            ch.close()
+        gw.stop()
