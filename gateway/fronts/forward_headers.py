@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Mapping
 
 from gateway.errors import BadRequest
 
@@ -38,6 +39,41 @@ NEVER_FORWARDED = frozenset(
 # Proxy-Authorization, Proxy-Connection...; the gateway's own headers, which HAProxy and Triton
 # would otherwise take as the gateway's word (x-skewserve-peer, -target-ip, -target-port).
 NEVER_FORWARDED_PREFIXES = ("proxy-", "x-skewserve-")
+
+
+# All forwarded headers of one request together: a proxy on the way (HAProxy's 16 KiB buffer for the
+# gRPC plane) or Triton itself would refuse more, and its refusal would be taken for a server fault.
+MAX_FORWARDED_BYTES = 4096
+
+
+def checked_forwarded_total(pairs: Iterable[tuple[str | bytes, str | bytes]]) -> None:
+    """BadRequest when the forwarded headers together exceed MAX_FORWARDED_BYTES."""
+    total = sum(len(k) + len(v) for k, v in pairs)
+    if total > MAX_FORWARDED_BYTES:
+        raise BadRequest(
+            f"forwarded headers total {total} bytes, above the gateway's limit of {MAX_FORWARDED_BYTES}; "
+            "send fewer or shorter headers matching routing.header_forward_pattern"
+        )
+
+
+def forwarded_metadata(
+    md: Mapping[str, str | bytes], forwarded: Callable[[str], bool]
+) -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata passed on to Triton, each value checked as HTTP headers are (BadRequest,
+    INVALID_ARGUMENT on gRPC, naming the key): a value Triton could not read would otherwise end
+    the call as a transport error (a UnicodeEncodeError here, a 502 from HAProxy) counted against
+    the server. Binary (`-bin`) metadata is never passed on: Triton forwards text parameters."""
+    out = []
+    for k, v in md.items():
+        if not forwarded(k) or k.endswith("-bin") or not isinstance(v, str):
+            continue
+        try:
+            raw = v.encode("ascii")
+        except UnicodeEncodeError:
+            raise BadRequest(f"{k} metadata must be printable ASCII, got {v[:40]!r}") from None
+        out.append((k, checked_forward_header(k.encode(), raw).decode()))
+    checked_forwarded_total(out)
+    return tuple(out)
 
 
 def checked_forward_header(name: bytes, value: bytes) -> bytes:

@@ -24,6 +24,7 @@ from tritonclient.grpc import service_pb2 as pb
 from gateway.config import TlsConfig
 from gateway.core import Gateway
 from gateway.errors import BadRequest, GatewayError, grpc_code_for
+from gateway.fronts.forward_headers import forwarded_metadata
 from gateway.fronts.grpc_bridge import Precheck
 from gateway.fronts.grpc_infer import OFF_LOOP_BYTES, GrpcLimits, GrpcWire
 from gateway.fronts.listen import check_free, refused
@@ -271,7 +272,7 @@ class GrpcFront:
                 gw.clock(),
                 md.get(SERVER_HEADER),
             )
-            passed_on = tuple((k, v) for k, v in md.items() if gw.forwarded(k))
+            passed_on = forwarded_metadata(md, gw.forwarded)
             metadata = (("x-request-id", request_id), *passed_on)
 
             async def fetch(server: UpstreamServer) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
 from gateway.errors import BadRequest, GatewayError, grpc_code_for
+from gateway.fronts.forward_headers import forwarded_metadata
 from gateway.fronts.infer_body import MAX_UINT64, SHARED_MEMORY_PARAMETERS
 from gateway.fronts.request_id import checked_request_id, is_valid_request_id, new_request_id
 from gateway.pipeline import admission
@@ -244,7 +245,7 @@ class GrpcWire:
                         f"input {inp.name!r} has batch size {inp.shape[0]}, above the gateway limit of {limits.max_batch}"
                     )
         call.call_remaining = self.context.time_remaining()  # now: admission may have waited
-        passed_on = tuple((k, v) for k, v in self.metadata.items() if self.gw.forwarded(k))
+        passed_on = forwarded_metadata(self.metadata, self.gw.forwarded)
         metadata = (("x-request-id", call.request_id), *passed_on)
         message = self.message if call.plan is None else self.message + version_field(call.version)
         return GrpcInferRequest(call, req, message, metadata)

@@ -41,6 +41,7 @@ from gateway.errors import (
     UpstreamTimeout,
     grpc_code_for,
 )
+from gateway.fronts.forward_headers import forwarded_metadata
 from gateway.fronts.grpc_front import SERVICE
 from gateway.fronts.grpc_infer import (
     OFF_LOOP_BYTES,
@@ -217,7 +218,7 @@ class StreamInfer:
     ) -> AsyncGenerator[bytes, None]:
         gw = self.gw
         loop = asyncio.get_running_loop()
-        passed_on = tuple((k, v) for k, v in md.items() if gw.forwarded(k))
+        passed_on = forwarded_metadata(md, gw.forwarded)
         request_id = md.get("x-request-id") or new_request_id()
         call = server.streams.open((("x-request-id", request_id), *passed_on), context.time_remaining())
         out: asyncio.Queue[bytes | object] = asyncio.Queue(_PENDING)

@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 from gateway.core import Gateway
 from gateway.errors import BadRequest, GatewayError, Overloaded, UpstreamTimeout, UpstreamUnavailable
-from gateway.fronts.forward_headers import checked_forward_header
+from gateway.fronts.forward_headers import checked_forward_header, checked_forwarded_total
 from gateway.fronts.infer_body import OFF_LOOP_BYTES, check_triton_json, inflate_async, inflate_cap
 from gateway.fronts.request_id import checked_request_id, is_valid_request_id, new_request_id
 from gateway.pipeline.dispatch import check_version
@@ -119,6 +119,7 @@ class GenerateFront:
                 raise BadRequest(f"send one x-request-id header, got {request_ids}")
             checked_request_id(sent.get(b"x-request-id"))
             forward = [(k, checked_forward_header(k, v)) for k, v in forward]
+            checked_forwarded_total(forward)
             if gw.refusing:
                 raise Overloaded("gateway is shutting down; retry on another replica")
             client = (scope.get("client") or ("",))[0]

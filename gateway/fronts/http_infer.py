@@ -24,7 +24,7 @@ from gateway.errors import (
     UpstreamRejected,
     http_status_for,
 )
-from gateway.fronts.forward_headers import checked_forward_header
+from gateway.fronts.forward_headers import checked_forward_header, checked_forwarded_total
 from gateway.fronts.infer_body import (
     OFF_LOOP_BYTES,
     InferBody,
@@ -266,6 +266,7 @@ class HttpWire:
         if self.sent_id is not None:
             checked_request_id(self.sent_id)  # forwarded to Triton and logged: bounded and printable
         self.forward = [(k, checked_forward_header(k, v)) for k, v in self.forward]
+        checked_forwarded_total(self.forward)
         self.forward.append((b"x-request-id", call.request_id.encode()))
         length = self.content_length
         if length is not None:

@@ -384,3 +384,22 @@ def test_hop_by_hop_keys_and_the_gateways_own_headers_are_never_forwarded(name: 
         return gw.forwarded(name)
 
     assert asyncio.run(run()) is False
+
+
+def test_forwarded_metadata_is_checked_as_headers_are() -> None:
+    from gateway.errors import BadRequest
+    from gateway.fronts.forward_headers import forwarded_metadata
+
+    def everything(name: str) -> bool:
+        return name != "authorization"
+
+    md = {"x-tenant": "acme", "authorization": "Bearer k", "x-blob-bin": b"\x00\x01", "x-a": "b"}
+    assert forwarded_metadata(md, everything) == (("x-tenant", "acme"), ("x-a", "b"))
+    with pytest.raises(BadRequest, match=r"^x-tenant metadata must be printable ASCII, got 'café'$"):
+        forwarded_metadata({"x-tenant": "café"}, everything)
+    with pytest.raises(BadRequest, match=r"^x-tenant header of 300 bytes is longer than 256"):
+        forwarded_metadata({"x-tenant": "v" * 300}, everything)
+    with pytest.raises(
+        BadRequest, match=r"^forwarded headers total 4\d{3} bytes, above the gateway's limit of 4096"
+    ):
+        forwarded_metadata({f"x-t{i:02d}": "v" * 250 for i in range(17)}, everything)

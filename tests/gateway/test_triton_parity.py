@@ -314,3 +314,39 @@ def test_an_expect_header_never_hands_one_callers_answer_to_another(echo_triton,
         assert attacker.get("x-tenant-id") == f"attacker-{i}"
         victim = _echoed_http(gw.http, {"x-tenant-id": f"victim-{i}"})
         assert victim.get("x-tenant-id") == f"victim-{i}", (i, victim)
+
+
+def _grpc_code(address: str, metadata: tuple[tuple[str, str], ...]) -> tuple[str, str]:
+    import grpc
+
+    try:
+        _echoed_grpc(address, metadata)
+        return "OK", ""
+    except grpc.RpcError as exc:
+        return exc.code().name, exc.details() or ""  # type: ignore[attr-defined]
+
+
+def test_forwarded_headers_triton_could_not_read_are_the_callers_error_never_a_servers(
+    echo_triton, make_gateway
+) -> None:
+    """Issue 40, item 4: forwarded headers that HAProxy or Triton would refuse (more than 4 KiB of
+    them) are the caller's INVALID_ARGUMENT / 400 naming the limit, and the server stays in rotation
+    (a value that is not ASCII: tests/gateway/test_state_units.py, grpcio clients cannot send one)."""
+    gw = make_gateway(
+        gateway_config(
+            echo_triton,
+            cache={"backend": "memory", "models": ["echo_params"]},
+            routing={"header_forward_pattern": ".*"},
+            health={"interval_s": 0.2, "timeout_s": 1.0, "eject_after_failures": 1, "base_ejection_s": 60},
+        )
+    )
+    many = {f"x-tenant-{i}": "v" * 250 for i in range(20)}
+    body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [4], "data": [0.0] * 4}]})
+    status, answer = _send(gw.http, "POST", "/v2/models/echo_params/infer", body.encode(), many)
+    assert status == 400
+    assert json.loads(answer)["error"].startswith("forwarded headers total 5")
+    code, details = _grpc_code(gw.grpc, tuple(many.items()))
+    assert (code, details[:25]) == ("INVALID_ARGUMENT", "forwarded headers total 5")
+    for _ in range(3):  # the server was never counted as failing: still served, never ejected
+        assert _echoed_grpc(gw.grpc, (("x-tenant-id", "acme"),)).get("x-tenant-id") == "acme"
+    assert all(s["healthy"] and not s.get("ejected") for s in gw.admin()["servers"]), gw.admin()["servers"]
