@@ -372,10 +372,11 @@ class CacheConfig(_Strict):
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "skewserve"
     tenancy: Literal["shared", "per_key"] = Field(
-        default="shared",
-        description="shared: one entry per request, whoever sent it (a caller repeating another's exact "
-        "request gets its answer as a hit); per_key: entries are kept per API key, so no key learns "
-        "what another sent (with auth off there is one tenant)",
+        default="per_key",
+        description="per_key (default): entries are kept per API key, so no key learns what another "
+        "sent (with auth off there is one tenant); shared: one entry per request, whoever sent it, a "
+        "membership oracle (a key repeating another's exact request learns, by the hit, that it was "
+        "sent): choose it only when every key belongs to one tenant",
     )
     hmac_secret: str = Field(
         default="", description="integrity key for Redis entries; required with backend redis"

@@ -375,9 +375,17 @@ def _cached_request(seed: float) -> tuple[bytes, pb.ModelInferRequest]:
     return body, req
 
 
-def test_with_per_key_tenancy_no_key_hits_another_keys_entry(
-    one_triton, redis_url: str, make_gateway
-) -> None:
+def test_by_default_no_key_hits_another_keys_entry(stack: GatewayUnderTest) -> None:
+    """cache.tenancy per_key, the default: a key's own entries serve it, never another key's."""
+    body, req = _cached_request(0.25)
+    assert _cache_states(stack, VICTIM_KEY, body, req) == ("miss", "miss")
+    assert _cache_states(stack, VICTIM_KEY, body, req) == ("hit", "hit")
+    assert _cache_states(stack, BULK_KEY, body, req) == ("miss", "miss")
+    assert _cache_states(stack, BULK_KEY, body, req) == ("hit", "hit")
+
+
+def test_with_shared_tenancy_every_key_hits_one_entry(one_triton, redis_url: str, make_gateway) -> None:
+    """Shared, chosen explicitly (a membership oracle between keys): one entry per request."""
     keys = [
         {"name": "victim", "sha256": hash_key(VICTIM_KEY)},
         {"name": "bulk", "sha256": hash_key(BULK_KEY)},
@@ -387,21 +395,12 @@ def test_with_per_key_tenancy_no_key_hits_another_keys_entry(
             one_triton,
             listen={"workers": 2},
             auth={"keys": keys},
-            cache=_redis_cache(redis_url, "tenancy", tenancy="per_key"),
+            cache=_redis_cache(redis_url, "tenancy", tenancy="shared"),
         )
     )
-    body, req = _cached_request(0.25)
-    assert _cache_states(gw, VICTIM_KEY, body, req) == ("miss", "miss")
-    assert _cache_states(gw, VICTIM_KEY, body, req) == ("hit", "hit")  # a key's own entries serve it
-    assert _cache_states(gw, BULK_KEY, body, req) == ("miss", "miss")  # never another key's
-    assert _cache_states(gw, BULK_KEY, body, req) == ("hit", "hit")
-
-
-def test_with_shared_tenancy_every_key_hits_one_entry(stack: GatewayUnderTest) -> None:
-    """The default, documented: one entry per request, whoever sent it."""
     body, req = _cached_request(0.5)
-    assert _cache_states(stack, VICTIM_KEY, body, req) == ("miss", "miss")
-    assert _cache_states(stack, BULK_KEY, body, req) == ("hit", "hit")
+    assert _cache_states(gw, VICTIM_KEY, body, req) == ("miss", "miss")
+    assert _cache_states(gw, BULK_KEY, body, req) == ("hit", "hit")
 
 
 # -- 9: servers at IPv6 addresses ---------------------------------------------------------------------------
