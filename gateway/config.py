@@ -427,6 +427,19 @@ class ApiKeyConfig(_Strict):
         description="may also read /metrics and /admin/upstreams on the public port (the ops listener "
         "serves them to anyone who can reach it)",
     )
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="headers (gRPC metadata) the gateway sets on every request of this key, e.g. "
+        "{x-tenant: acme}, so a model can trust them (start Triton with a forward pattern matching "
+        "them); a header of one of these names sent by any client is never forwarded",
+    )
+
+    @field_validator("headers")
+    @classmethod
+    def _bound_headers(cls, v: dict[str, str]) -> dict[str, str]:
+        from gateway.fronts.forward_headers import bound_header
+
+        return dict(bound_header(name, value) for name, value in v.items())
 
     @field_validator("sha256")
     @classmethod

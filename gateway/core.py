@@ -439,21 +439,22 @@ class Gateway:
 
     def forwarded(self, name: str) -> bool:
         """Whether a client header / metadata key reaches Triton (routing.header_forward_pattern);
-        keys and the gateway's own headers never do."""
+        keys, hop-by-hop headers, the gateway's own and the names keys bind never do."""
         if self._forward_pattern is None:
             return False
         lowered = name.lower()
         return (
             lowered not in self._never_forwarded
+            and lowered not in self.auth.bound_names
             and not lowered.startswith(NEVER_FORWARDED_PREFIXES)
             and self._forward_pattern.search(name) is not None
         )
 
     def cache_tenant(self, principal: Principal | None) -> str:
         """The cache namespace of a caller: its key's name with cache.tenancy per_key, else shared."""
-        if principal is None or self.cfg.cache.tenancy == "shared":
+        if principal is None or (self.cfg.cache.tenancy == "shared" and not principal.headers):
             return ""
-        return principal.name
+        return principal.name  # a key's bound headers may change the answer: its own entries
 
     def cache_enabled(self, model: str) -> bool:
         return self.cache is not None and (self._cache_all or model in self._cache_models)

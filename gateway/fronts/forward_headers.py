@@ -76,6 +76,25 @@ def forwarded_metadata(
     return tuple(out)
 
 
+_TOKEN = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
+
+
+def bound_header(name: str, value: str) -> tuple[str, str]:
+    """A key's bound header (auth.keys[].headers), lower-cased; ValueError naming what is wrong."""
+    lowered = name.lower()
+    if not _TOKEN.match(lowered) or lowered.endswith("-bin"):
+        raise ValueError(f"header name {name!r} is not a valid HTTP header / gRPC metadata name")
+    if lowered in NEVER_FORWARDED or lowered.startswith(NEVER_FORWARDED_PREFIXES):
+        raise ValueError(
+            f"header {name!r} is never passed on to Triton (a key, hop-by-hop or the gateway's own)"
+        )
+    if len(value) > _MAX_FORWARDED_HEADER or _UNPRINTABLE.search(value.encode("latin-1", "replace")):
+        raise ValueError(
+            f"header {name!r}: the value must be printable ASCII of at most {_MAX_FORWARDED_HEADER} bytes"
+        )
+    return lowered, value
+
+
 def checked_forward_header(name: bytes, value: bytes) -> bytes:
     """`value`, or BadRequest naming the header when Triton could not read it."""
     shown = _FORWARDED_NAMES.get(name, name.decode("latin-1"))

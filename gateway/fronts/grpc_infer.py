@@ -246,7 +246,8 @@ class GrpcWire:
                     )
         call.call_remaining = self.context.time_remaining()  # now: admission may have waited
         passed_on = forwarded_metadata(self.metadata, self.gw.forwarded)
-        metadata = (("x-request-id", call.request_id), *passed_on)
+        bound = call.principal.headers if call.principal is not None else ()
+        metadata = (("x-request-id", call.request_id), *passed_on, *bound)
         message = self.message if call.plan is None else self.message + version_field(call.version)
         return GrpcInferRequest(call, req, message, metadata)
 

@@ -219,8 +219,11 @@ class StreamInfer:
         gw = self.gw
         loop = asyncio.get_running_loop()
         passed_on = forwarded_metadata(md, gw.forwarded)
+        bound = principal.headers if principal is not None else ()
         request_id = md.get("x-request-id") or new_request_id()
-        call = server.streams.open((("x-request-id", request_id), *passed_on), context.time_remaining())
+        call = server.streams.open(
+            (("x-request-id", request_id), *passed_on, *bound), context.time_remaining()
+        )
         out: asyncio.Queue[bytes | object] = asyncio.Queue(_PENDING)
         server.open_streams += 1
         server.requests += 1

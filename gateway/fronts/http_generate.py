@@ -128,6 +128,8 @@ class GenerateFront:
             )
             caller = gw.caller_of(principal, client)
             forward.append((b"x-request-id", request_id.encode()))
+            if principal is not None:  # the key's own headers (auth.keys[].headers)
+                forward += [(k.encode(), v.encode()) for k, v in principal.headers]
             path = bytes(scope["raw_path"])
             if gw.traffic is not None and not version:  # a model in canary: its stable version
                 version = gw.traffic.stable_pin(model, version)

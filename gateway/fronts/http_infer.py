@@ -342,6 +342,8 @@ class HttpWire:
 
     async def parse(self, call: Call) -> HttpInferRequest:
         limits, body, encoding = self.limits, self.body, self.encoding
+        if call.principal is not None and call.principal.headers:  # the key's own (auth.keys[].headers)
+            self.forward += [(k.encode(), v.encode()) for k, v in call.principal.headers]
         hl = self.hl = parse_header_length(self.header_length)
         if encoding is not None and encoding.strip().lower() not in ("", "identity"):
             # The inflated bytes are held too, and the compressed ones are dropped once inflated:

@@ -41,6 +41,8 @@ class Principal:
     name: str
     models: frozenset[str]
     bucket: TokenBucket | None
+    # set by the gateway on every request of this key (auth.keys[].headers), lower-cased names
+    headers: tuple[tuple[str, str], ...] = ()
 
     def allows(self, model: str) -> bool:
         return "*" in self.models or model in self.models
@@ -59,6 +61,8 @@ class Authenticator:
         # keyed by the whole entry (name, hash, models, rate, burst, admin) as JSON
         self._by_entry: dict[str, Principal] = {}
         self._keys: list[tuple[bytes, Principal]] = []
+        # names some key binds: a client's own header of such a name is never forwarded
+        self.bound_names = frozenset(name for k in cfg.keys for name in k.headers)
         for k in cfg.keys:
             entry = k.model_dump_json()
             principal = carried.get(entry) or self._principal(k, clock)
@@ -78,7 +82,7 @@ class Authenticator:
     @staticmethod
     def _principal(k: ApiKeyConfig, clock: Callable[[], float]) -> Principal:
         bucket = TokenBucket(k.rate_per_s, k.burst or k.rate_per_s, clock) if k.rate_per_s > 0 else None
-        return Principal(k.name, frozenset(k.models), bucket)
+        return Principal(k.name, frozenset(k.models), bucket, tuple(sorted(k.headers.items())))
 
     def authenticate(self, authorization: str | None, api_key: str | None) -> Principal | None:
         """The caller's principal (None when auth is off); raises 401 for a missing or unknown key."""

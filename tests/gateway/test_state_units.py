@@ -403,3 +403,24 @@ def test_forwarded_metadata_is_checked_as_headers_are() -> None:
         BadRequest, match=r"^forwarded headers total 4\d{3} bytes, above the gateway's limit of 4096"
     ):
         forwarded_metadata({f"x-t{i:02d}": "v" * 250 for i in range(17)}, everything)
+
+
+@pytest.mark.parametrize(
+    ("headers", "error"),
+    [
+        ({"Authorization": "x"}, "header 'Authorization' is never passed on to Triton"),
+        ({"x-skewserve-region": "x"}, "header 'x-skewserve-region' is never passed on to Triton"),
+        ({"bad name": "x"}, "header name 'bad name' is not a valid HTTP header / gRPC metadata name"),
+        ({"x-tenant": "caf\u00e9"}, "header 'x-tenant': the value must be printable ASCII of at most 256"),
+    ],
+)
+def test_a_keys_bound_headers_are_checked_at_start(headers: dict[str, str], error: str) -> None:
+    from pydantic import ValidationError
+
+    from gateway.config import ApiKeyConfig
+
+    with pytest.raises(ValidationError, match=error):
+        ApiKeyConfig(name="k", sha256="0" * 64, headers=headers)
+    assert ApiKeyConfig(name="k", sha256="0" * 64, headers={"X-Tenant": "acme"}).headers == {
+        "x-tenant": "acme"
+    }

@@ -350,3 +350,34 @@ def test_forwarded_headers_triton_could_not_read_are_the_callers_error_never_a_s
     for _ in range(3):  # the server was never counted as failing: still served, never ejected
         assert _echoed_grpc(gw.grpc, (("x-tenant-id", "acme"),)).get("x-tenant-id") == "acme"
     assert all(s["healthy"] and not s.get("ejected") for s in gw.admin()["servers"]), gw.admin()["servers"]
+
+
+def test_a_keys_bound_headers_reach_the_model_and_no_client_can_forge_them(echo_triton, make_gateway) -> None:
+    """Issue 40, item 6: `auth.keys[].headers` are set by the gateway on every request of that key;
+    the name is never forwarded from a client, so a model can trust `x-tenant`."""
+    from gateway.state.auth import hash_key
+
+    acme, other = "sk-acme-" + "a" * 24, "sk-other-" + "o" * 24
+    keys = [
+        {"name": "acme", "sha256": hash_key(acme), "headers": {"X-Tenant": "acme"}},
+        {"name": "other", "sha256": hash_key(other)},
+    ]
+    gw = make_gateway(
+        gateway_config(
+            echo_triton,
+            cache={"backend": "memory", "models": ["echo_params"]},
+            auth={"keys": keys},
+            routing={"header_forward_pattern": ".*"},
+        )
+    )
+    forged = {"x-tenant": "globex", "x-other": "kept"}
+    seen = _lowered(_echoed_http(gw.http, {**forged, "x-api-key": acme}))
+    assert (seen.get("x-tenant"), seen.get("x-other")) == ("acme", "kept")
+    seen = _lowered(_echoed_http(gw.http, {**forged, "x-api-key": other}))
+    assert "x-tenant" not in seen and seen.get("x-other") == "kept"
+    seen = _lowered(_echoed_http(gw.http, {"x-api-key": acme}))
+    assert seen.get("x-tenant") == "acme"
+    seen = _lowered(_echoed_grpc(gw.grpc, (("x-tenant", "globex"), ("x-api-key", acme))))
+    assert seen.get("x-tenant") == "acme"
+    seen = _lowered(_echoed_grpc(gw.grpc, (("x-tenant", "acme"), ("x-api-key", other))))
+    assert "x-tenant" not in seen
