@@ -38,6 +38,7 @@ class LoadTestSpec:
     users: int = 4
     spawn_rate: float = 4.0
     duration_s: float = 20.0
+    max_requests: int | None = None  # stop once this many requests were answered (or the duration ends)
     shape: str = "steady"
     out_dir: Path = Path("runs/loadtest")
     metrics_url: str | None = None
@@ -50,6 +51,8 @@ class LoadTestSpec:
             raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {self.shape!r}")
         if self.users < 1 or self.duration_s <= 0:
             raise ValueError("users must be >= 1 and duration > 0")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError(f"requests must be >= 1, got {self.max_requests}")
 
 
 @dataclass
@@ -93,6 +96,7 @@ def run_loadtest(spec: LoadTestSpec) -> LoadTestResult:
         "SKEWSERVE_LT_USERS": str(spec.users),
         "SKEWSERVE_LT_SPAWN_RATE": str(spec.spawn_rate),
         "SKEWSERVE_LT_DURATION_S": str(spec.duration_s),
+        "SKEWSERVE_LT_MAX_REQUESTS": str(spec.max_requests or ""),
     }
     # The project root on PYTHONPATH so the locustfile can import loadtests.* wherever it is run from.
     root = str(Path(__file__).resolve().parents[1])

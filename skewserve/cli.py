@@ -1210,6 +1210,9 @@ def loadtest_command(
     users: int = typer.Option(4, "--users", min=1),
     spawn_rate: float = typer.Option(4.0, "--spawn-rate"),
     duration: str = typer.Option("20s", "--duration", help="Bounded run time: 30s, 2m..."),
+    requests: int | None = typer.Option(
+        None, "--requests", min=1, help="Stop once this many requests were answered (or at --duration)."
+    ),
     shape: str = typer.Option("steady", "--shape", help="steady | ramp | spike | soak"),
     keys: int = typer.Option(1000, "--keys", help="Distinct inputs (the key space)."),
     zipf: float = typer.Option(1.1, "--zipf", help="Zipf exponent of key popularity (0 = uniform)."),
@@ -1259,6 +1262,7 @@ def loadtest_command(
             users=users,
             spawn_rate=spawn_rate,
             duration_s=seconds,
+            max_requests=requests,
             shape=shape,
             out_dir=out,
             metrics_url=metrics_url,
