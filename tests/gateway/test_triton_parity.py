@@ -90,8 +90,11 @@ def test_a_method_the_gateway_does_not_serve_is_refused_at_once_by_name(gw) -> N
         req = pb.ModelInferRequest(model_name="lt_nocache")
 
         async def requests() -> object:
+            # Headers only, the stream held open: the refusal must come from them. (A message written
+            # after the refusal arrived would fail in grpcio itself, as "Internal error from Core",
+            # hiding the status: seen under load.)
+            await release.wait()
             yield req.SerializeToString()
-            await release.wait()  # the stream stays open
 
         async with grpc.aio.insecure_channel(gw.grpc) as channel:
             call = channel.stream_stream("/inference.GRPCInferenceService/RepositoryModelLoad")(
