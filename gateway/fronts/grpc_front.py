@@ -49,6 +49,17 @@ _FORWARD_METADATA = ("x-request-id",)
 
 # Methods that answer without a key, as Triton's health endpoints do.
 UNKEYED_METHODS = frozenset({"ServerLive", "ServerReady"})
+# What GrpcFront.methods() serves, for the data plane's refusal of every other path from its headers.
+UNARY_METHODS = (
+    "ServerLive",
+    "ServerReady",
+    "ModelReady",
+    "ServerMetadata",
+    "ModelMetadata",
+    "ModelConfig",
+    "ModelStatistics",
+    "ModelInfer",
+)
 
 
 class GrpcFront:

@@ -75,6 +75,9 @@ class DataPlaneSpec:
     keep_alive_timeout_s: float = 75.0
     tls_pem: Path | None = None  # certificate and key in one file: TLS on the public gRPC port
     stream_idle_timeout_s: float = 120.0  # the workers end idle streams; HAProxy waits longer
+    # Every path the workers serve (unary methods and the stream): any other is UNIMPLEMENTED here,
+    # from its headers, so a call no worker would serve never waits for its body.
+    served_paths: Sequence[str] = ()
 
 
 def _tls(pem: Path | None) -> str:
@@ -91,6 +94,17 @@ def _per_source(limit: int) -> str:
   tcp-request connection track-sc0 src,ipmask(32,64)
   tcp-request connection reject if {{ sc0_conn_cur gt {limit} }}
 """
+
+
+def _unserved(paths: Sequence[str]) -> str:
+    """Paths the workers do not serve answered UNIMPLEMENTED by name (a gRPC trailers-only answer)."""
+    if not paths:
+        return ""
+    listed = " ".join(paths)
+    return (
+        "  http-request return status 200 hdr content-type application/grpc hdr grpc-status 12 "
+        f'hdr grpc-message "Method not found: %[path,bytes(0,200)]" if !{{ path -m str {listed} }}\n'
+    )
 
 
 def render_config(spec: DataPlaneSpec) -> str:
@@ -133,7 +147,7 @@ frontend grpc_in
 {_per_source(spec.max_connections_per_source)}  http-request set-header {PEER_HEADER} %[src]
   http-request del-header {TARGET_IP_HEADER}
   http-request del-header {TARGET_PORT_HEADER}
-  # Streams cannot cross an HTTP/1.1 request/response: HTTP/2 on to the workers' grpc.aio sockets.
+{_unserved(spec.served_paths)}  # Streams cannot cross an HTTP/1.1 request/response: HTTP/2 on to the workers' grpc.aio sockets.
   use_backend streams if {{ path {STREAM_PATH} }}
   default_backend workers
 
@@ -152,6 +166,10 @@ backend streams
 backend workers
   balance leastconn
   http-reuse always
+  # A unary call reaches a worker only once its whole message is here (or a buffer's worth), so a
+  # client that sends headers and never the rest holds no worker slot: HAProxy waits for it,
+  # bounded by timeout http-request (limits.header_read_timeout_s), then answers 408.
+  option http-buffer-request
   # A worker being replaced refuses connections: the call goes to another (it never reached the first).
   retries 3
   retry-on conn-failure

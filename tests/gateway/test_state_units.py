@@ -424,3 +424,12 @@ def test_a_keys_bound_headers_are_checked_at_start(headers: dict[str, str], erro
     assert ApiKeyConfig(name="k", sha256="0" * 64, headers={"X-Tenant": "acme"}).headers == {
         "x-tenant": "acme"
     }
+
+
+def test_the_data_plane_refuses_exactly_the_paths_no_worker_serves() -> None:
+    """HAProxy answers UNIMPLEMENTED from the headers for every path but these: the list it gets is
+    the one the workers serve (GrpcFront.methods() and the stream)."""
+    from gateway.fronts.grpc_front import UNARY_METHODS, GrpcFront
+
+    front = GrpcFront.__new__(GrpcFront)  # methods() names bound methods; nothing is started
+    assert tuple(GrpcFront.methods(front)) == UNARY_METHODS
