@@ -108,8 +108,13 @@ def _unserved(paths: Sequence[str]) -> str:
 
 
 def render_config(spec: DataPlaneSpec) -> str:
+    # No maxconn on the workers: HAProxy counts a stream against its server until the client ends it,
+    # so a call the worker had already refused from its headers (no key), whose client never sent
+    # the rest, held a slot for the client's whole timeout; 1,024 of them starved every other
+    # caller. Each worker bounds what it serves itself (limits.max_inflight, per-caller bounds,
+    # body_read_timeout_s) and closes a refused call's connection (gateway/fronts/grpc_bridge.py).
     workers = "\n".join(
-        f"  server w{i} unix@{path} maxconn 1024" for i, path in enumerate(spec.worker_sockets)
+        f"  server w{i} unix@{path}" for i, path in enumerate(spec.worker_sockets)
     )
     streamers = "\n".join(
         f"  server s{i} unix@{path} proto h2 maxconn 4096" for i, path in enumerate(spec.stream_sockets)
@@ -166,10 +171,6 @@ backend streams
 backend workers
   balance leastconn
   http-reuse always
-  # A unary call reaches a worker only once its whole message is here (or a buffer's worth), so a
-  # client that sends headers and never the rest holds no worker slot: HAProxy waits for it,
-  # bounded by timeout http-request (limits.header_read_timeout_s), then answers 408.
-  option http-buffer-request
   # A worker being replaced refuses connections: the call goes to another (it never reached the first).
   retries 3
   retry-on conn-failure
