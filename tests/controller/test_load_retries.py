@@ -16,16 +16,9 @@ from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
 from skewserve.triton_dist import PreparedTriton
 from tests.controller.conftest import KEY, as_controlled, controlled_server, loaded
+from tests.gateway.test_units import FakeClock
 
 pytestmark = pytest.mark.slow
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_failed_load_is_tried_again_after_30_s_then_doubling(
@@ -38,7 +31,7 @@ def test_a_failed_load_is_tried_again_after_30_s_then_doubling(
         local.replace('backend: "python"', 'backend: "nope"')
     )
     server = controlled_server(repo, "s", tmp_path / "logs", prepared_triton)
-    clock = Clock()
+    clock = FakeClock()
     cfg = ControllerConfig(load_timeout_s=60)
     assert cfg.retry_after_s == 30.0  # the default under test
     try:

@@ -4,7 +4,7 @@ interim-answering HTTP/1.1 server would: every request reads its own final answe
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from gateway.upstream.http_client import HttpPool
 
@@ -13,8 +13,11 @@ def _answer(body: bytes, status: bytes = b"200 OK") -> bytes:
     return b"HTTP/1.1 " + status + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
 
 
-async def _serve(reply: Callable[[int], bytes]) -> tuple[asyncio.Server, str, list[int]]:
-    """A server that answers its n-th request (over all connections) with `reply(n)`."""
+async def _serve(
+    reply: Callable[[int], bytes], then: Callable[[int, asyncio.StreamWriter], Awaitable[None]] | None = None
+) -> tuple[asyncio.Server, str, list[int]]:
+    """A server that answers its n-th request (over all connections) with `reply(n)`, then runs
+    `then(n, writer)` (what a misbehaving server sends next)."""
     count = [0]
     connections: list[int] = []
 
@@ -32,6 +35,8 @@ async def _serve(reply: Callable[[int], bytes]) -> tuple[asyncio.Server, str, li
                 count[0] += 1
                 writer.write(reply(count[0]))
                 await writer.drain()
+                if then is not None:
+                    await then(count[0], writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -90,29 +95,19 @@ def test_bytes_after_an_answer_never_become_the_next_requests_answer() -> None:
 
 
 def test_an_answer_arriving_while_the_connection_is_idle_closes_it() -> None:
-    async def main() -> list[bytes]:
+    async def main() -> tuple[list[bytes], int]:
         stray = asyncio.Event()
 
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            n = 0
-            try:
-                while True:
-                    await reader.readuntil(b"\r\n\r\n")
-                    await reader.readexactly(2)
-                    n += 1
-                    writer.write(_answer(f"answer-{n}".encode()))
-                    await writer.drain()
-                    if n == 1:
-                        await stray.wait()
-                        writer.write(_answer(b"stray"))
-                        await writer.drain()
-            except (asyncio.IncompleteReadError, ConnectionError):
-                pass
-            finally:
-                writer.close()
+        async def stray_after_first(n: int, writer: asyncio.StreamWriter) -> None:
+            if n == 1:
+                await stray.wait()
+                writer.write(_answer(b"stray"))
+                await writer.drain()
 
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        pool = HttpPool(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        server, address, connections = await _serve(
+            lambda n: _answer(f"answer-{n}".encode()), stray_after_first
+        )
+        pool = HttpPool(address)
         try:
             first = await pool.request(b"POST", b"/x", b"{}", timeout_s=10)
             idle = pool._idle[-1]
@@ -121,9 +116,9 @@ def test_an_answer_arriving_while_the_connection_is_idle_closes_it() -> None:
                 while not idle.closed:  # the stray answer arrives on the idle connection
                     await asyncio.sleep(0.01)
             second = await pool.request(b"POST", b"/x", b"{}", timeout_s=10)
-            return [first.body, second.body]
+            return [first.body, second.body], len(connections)
         finally:
             await pool.close()
             server.close()
 
-    assert asyncio.run(main()) == [b"answer-1", b"answer-1"]  # the second on a new connection: its own first
+    assert asyncio.run(main()) == ([b"answer-1", b"answer-2"], 2)  # the second on a new connection
