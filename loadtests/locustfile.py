@@ -14,9 +14,8 @@ from grpc.experimental import gevent as grpc_gevent
 
 grpc_gevent.init_gevent()  # grpcio's C core must cooperate with gevent before any channel exists
 
-import gevent  # noqa: E402
 import tritonclient.grpc as grpcclient  # noqa: E402
-from locust import FastHttpUser, LoadTestShape, User, constant, events, task  # noqa: E402
+from locust import FastHttpUser, LoadTestShape, User, constant, task  # noqa: E402
 
 from loadtests.mix import MixSettings, RequestMix  # noqa: E402
 from loadtests.shapes import ShapeParams, shape_tick  # noqa: E402
@@ -119,27 +118,8 @@ class GrpcUser(User, _Mixed):
         )
 
 
+# loadtest --requests: the run ends (as at its duration) once this many requests were answered.
 _MAX_REQUESTS = int(os.environ.get("SKEWSERVE_LT_MAX_REQUESTS") or 0)
-if _MAX_REQUESTS:
-    _answered = [0]
-
-    @events.request.add_listener
-    def _stop_after_max_requests(**kwargs: Any) -> None:
-        """End the run once SKEWSERVE_LT_MAX_REQUESTS requests were answered (loadtest --requests)."""
-        _answered[0] += 1
-        if _answered[0] == _MAX_REQUESTS:
-            gevent.spawn(_quit)
-
-    @events.init.add_listener
-    def _keep_environment(environment: Any, **_: Any) -> None:
-        _environment[0] = environment
-
-    _environment: list[Any] = [None]
-
-    def _quit() -> None:
-        environment = _environment[0]
-        if environment is not None and environment.runner is not None:
-            environment.runner.quit()
 
 
 _SHAPE = os.environ.get("SKEWSERVE_LT_SHAPE", "")
@@ -155,4 +135,10 @@ if _SHAPE:
         )
 
         def tick(self) -> tuple[int, float] | None:
+            if (
+                _MAX_REQUESTS
+                and self.runner is not None
+                and self.runner.stats.total.num_requests >= _MAX_REQUESTS
+            ):
+                return None
             return shape_tick(_SHAPE, self.params, self.get_run_time())
