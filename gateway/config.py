@@ -558,6 +558,13 @@ class LimitsConfig(_Strict):
         description="streams one caller (an API key, or a client address with auth off) holds open at "
         "once in one worker, within max_streams; beyond it that caller's new ones are refused",
     )
+    max_stream_message_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="largest message a ModelStreamInfer stream may send (RESOURCE_EXHAUSTED beyond, "
+        "before it is held). 0 = what keeps a caller's open streams within its byte bound: "
+        "max_buffered_body_bytes_per_caller / max_streams_per_caller, at most max_request_bytes",
+    )
     stream_idle_timeout_s: float = Field(
         default=120.0,
         gt=0,
@@ -588,7 +595,22 @@ class LimitsConfig(_Strict):
                 f"limits.max_request_bytes ({self.max_request_bytes}) and limits.max_buffered_body_bytes "
                 f"({self.max_buffered_body_bytes}), or 0 for the default"
             )
+        message = self.max_stream_message_bytes
+        if message and message * self.max_streams_per_caller > self.per_caller_body_bytes:
+            raise ValueError(
+                f"limits.max_stream_message_bytes ({message}) times limits.max_streams_per_caller "
+                f"({self.max_streams_per_caller}) exceeds a caller's byte bound ({self.per_caller_body_bytes}, "
+                "limits.max_buffered_body_bytes_per_caller): one caller's streams could hold more than it "
+                "may; lower either, or set 0 for the derived size"
+            )
         return self
+
+    @property
+    def stream_message_bytes(self) -> int:
+        """The per-message bound of ModelStreamInfer streams in effect (derived when 0)."""
+        if self.max_stream_message_bytes:
+            return self.max_stream_message_bytes
+        return min(self.max_request_bytes, self.per_caller_body_bytes // self.max_streams_per_caller)
 
     @property
     def per_caller_body_bytes(self) -> int:

@@ -80,7 +80,9 @@ async def serve_streams(front: GrpcFront, path: Path) -> grpc.aio.Server:
     limits = front.gw.cfg.limits
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", limits.max_request_bytes),
+            # A caller's open streams times this fits its byte bound: grpc-core holds a message whole
+            # before the handler sees it (and counts it), so the bound must be on each message.
+            ("grpc.max_receive_message_length", limits.stream_message_bytes),
             ("grpc.max_send_message_length", 256 * 1024 * 1024),
             ("grpc.max_concurrent_streams", limits.max_streams),
         ]

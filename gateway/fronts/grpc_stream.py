@@ -36,6 +36,7 @@ from gateway.errors import (
     GatewayError,
     NoReadyServer,
     Overloaded,
+    RequestTooLarge,
     Unauthenticated,
     UpstreamRejected,
     UpstreamTimeout,
@@ -116,6 +117,7 @@ class StreamInfer:
                 if first is _END:
                     return  # closed before sending anything: nothing to answer
                 assert isinstance(first, bytes)
+                self._check_size(first)
                 gw.bodies.reserve(caller, len(first))
                 held[0] = len(first)
                 req = self._check(await _parse(first), principal)
@@ -155,6 +157,16 @@ class StreamInfer:
         idle.at = self.gw.clock()
 
     # -- one message ----------------------------------------------------------------------------
+    def _check_size(self, raw: bytes) -> None:
+        """The data plane's stream server refuses larger messages before holding them; the grpcio
+        plane serves streams beside unary calls (max_request_bytes), so it is checked here too."""
+        bound = self.gw.cfg.limits.stream_message_bytes
+        if len(raw) > bound:
+            raise RequestTooLarge(
+                f"stream message of {len(raw)} bytes exceeds the limit of {bound} "
+                "(limits.max_stream_message_bytes: a caller's open streams times this fit its byte bound)"
+            )
+
     def _check(self, req: pb.ModelInferRequest, principal: Principal | None) -> pb.ModelInferRequest:
         """The message, checked as a unary ModelInfer is; GatewayError naming what is wrong."""
         self.gw.admit_model(principal, req.model_name)
@@ -306,6 +318,7 @@ class StreamInfer:
                     return
                 req: pb.ModelInferRequest | None = None
                 try:
+                    self._check_size(raw)
                     budget.reserve(caller, len(raw))
                 except GatewayError as exc:
                     await out.put(_error_response(None, exc.message))

@@ -113,9 +113,7 @@ def render_config(spec: DataPlaneSpec) -> str:
     # the rest, held a slot for the client's whole timeout; 1,024 of them starved every other
     # caller. Each worker bounds what it serves itself (limits.max_inflight, per-caller bounds,
     # body_read_timeout_s) and closes a refused call's connection (gateway/fronts/grpc_bridge.py).
-    workers = "\n".join(
-        f"  server w{i} unix@{path}" for i, path in enumerate(spec.worker_sockets)
-    )
+    workers = "\n".join(f"  server w{i} unix@{path}" for i, path in enumerate(spec.worker_sockets))
     streamers = "\n".join(
         f"  server s{i} unix@{path} proto h2 maxconn 4096" for i, path in enumerate(spec.stream_sockets)
     )

@@ -433,3 +433,17 @@ def test_the_data_plane_refuses_exactly_the_paths_no_worker_serves() -> None:
 
     front = GrpcFront.__new__(GrpcFront)  # methods() names bound methods; nothing is started
     assert tuple(GrpcFront.methods(front)) == UNARY_METHODS
+
+
+def test_a_stream_message_bound_that_lets_a_caller_hold_more_than_its_share_is_refused_at_start() -> None:
+    from pydantic import ValidationError
+
+    from gateway.config import LimitsConfig
+
+    with pytest.raises(
+        ValidationError,
+        match=r"limits.max_stream_message_bytes \(4194304\) times limits.max_streams_per_caller \(32\)",
+    ):
+        LimitsConfig(max_stream_message_bytes=4 * 1024 * 1024)
+    assert LimitsConfig(max_stream_message_bytes=1 << 20).stream_message_bytes == 1 << 20
+    assert LimitsConfig(max_streams_per_caller=4).stream_message_bytes == 16 * 1024 * 1024

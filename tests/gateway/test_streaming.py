@@ -432,3 +432,38 @@ def test_a_killed_server_ends_only_its_own_streams_and_they_end_unavailable(
     _run(main())
     for conn, _ in generations.values():
         conn.close()
+
+
+def test_a_stream_message_above_the_callers_share_is_refused_before_it_is_held(
+    proto_fleet, make_gateway
+) -> None:
+    """Issue 40, item 3: a caller's open streams times the per-message bound fit its byte bound
+    (defaults: 64 MiB / 32 streams = 2 MiB), so a stream cannot hold more than its caller may; a
+    message over it ends the stream RESOURCE_EXHAUSTED, one under it is served."""
+    from gateway.config import LimitsConfig
+
+    limits = LimitsConfig()
+    assert limits.stream_message_bytes * limits.max_streams_per_caller <= limits.per_caller_body_bytes
+    assert limits.stream_message_bytes == 2 * 1024 * 1024
+    gw = make_gateway(_keyed(proto_fleet))
+    padding = b"p" * (limits.stream_message_bytes + 1024)
+
+    def padded(values: list[int], pad: bytes) -> bytes:
+        req = pb.ModelInferRequest.FromString(_repeat(values))
+        req.parameters["padding"].string_param = pad.decode()
+        return req.SerializeToString()
+
+    async def main() -> tuple[Any, tuple[grpc.StatusCode, str]]:
+        async with grpc.aio.insecure_channel(gw.grpc) as channel:
+            small = Stream(channel)
+            small.send(padded([7], b"p" * (limits.stream_message_bytes // 2)))
+            served = await small.read()
+            small.close()
+            big = Stream(channel)
+            big.send(padded([7], padding))
+            return served, await big.status()
+
+    served, (code, details) = _run(main())
+    assert served["OUT"] == [7] and "error" not in served
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert str(limits.stream_message_bytes) in details, details
