@@ -142,6 +142,7 @@ class Controller:
                 continue
             if state is not None:
                 states[model] = state
+        plans: dict[str, dict[str, Any]] | None = None
         if not self.scoped and listed is not None:
             # A model whose record could not be read keeps the plan the gateways follow now.
             plans = traffic_plans(states.values())
@@ -157,6 +158,8 @@ class Controller:
                 )
                 reachable = {s: stats for s, stats in observed.items() if stats is not None}
                 self.held_anywhere = {m for stats in reachable.values() for m in loaded_versions(stats)}
+                if plans is not None:
+                    self.traffic_plans = plans | lingering_pins(states, reachable.values(), plans)
                 self._gone = self._confirm_absent(listed, report)
                 self.placed = self._place(reachable, states, report) if self.cfg.placement else None
                 list(
@@ -570,6 +573,27 @@ def traffic_plans(states: Iterable[DesiredState]) -> dict[str, dict[str, Any]]:
             "started": canary.started,
         }
     return plans
+
+
+def lingering_pins(
+    states: dict[str, DesiredState],
+    observed: Iterable[list[dict[str, Any]]],
+    plans: dict[str, dict[str, Any]],
+) -> dict[str, dict[str, Any]]:
+    """Pins (no share, no shadow) for models whose canary ended while some server still has a
+    version loaded that is not served: until it is unloaded, an unversioned request would get
+    Triton's newest loaded version, the failed candidate (seen in the rare-class shadow test)."""
+    held: dict[str, set[int]] = {}
+    for stats in observed:
+        for model, versions in loaded_versions(stats).items():
+            held.setdefault(model, set()).update(versions)
+    pins = {}
+    for model, state in states.items():
+        if model in plans or not state.served or not held.get(model, set()) - set(state.served):
+            continue
+        stable = max(state.served)
+        pins[model] = {"stable": stable, "canary": stable, "share": 0.0, "shadow": 0.0, "started": 0.0}
+    return pins
 
 
 def _region_done(state: DesiredState, version: int, regions: list[str]) -> DesiredState:

@@ -28,7 +28,26 @@ from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gate
 
 pytestmark = pytest.mark.slow
 QA = Path(__file__).parent / "triton_server_qa"
-_RESULT = re.compile(r"^(test_\w+) \(.*\) \.\.\. (ok|FAIL|ERROR|skipped.*)$", re.MULTILINE)
+_START = re.compile(r"^(test_\w+) \([^)\n]*\) \.\.\. ", re.MULTILINE)
+_OUTCOME = re.compile(r"(?:^|\s)(ok|FAIL|ERROR|skipped[^\n]*)$", re.MULTILINE)
+_SUMMARY = re.compile(r"^(?:={10,}|-{10,})", re.MULTILINE)
+
+
+def unittest_outcomes(text: str) -> dict[str, str]:
+    """Each test's outcome in `unittest -v` output. Other output can come between a test's name and
+    its outcome (IsolatedAsyncioTestCase runs in asyncio debug mode, whose "Executing <Task ...>
+    took 0.101 seconds" lines land there on a loaded machine): the first outcome after the name."""
+    starts = list(_START.finditer(text))
+    out = {}
+    for i, start in enumerate(starts):
+        end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
+        chunk = _SUMMARY.split(text[start.end() : end], maxsplit=1)[0]
+        found = _OUTCOME.search(chunk)
+        if found is not None:
+            out[start.group(1)] = found.group(1)
+    return out
+
+
 # qa/L0_parameters/test.sh: one server per mode, with these header-forward flags (TEST_HEADER=mode).
 PARAMETER_MODES = {
     "test_params": (),
@@ -109,7 +128,7 @@ def run_qa_tests(
         timeout=300,
         env={**os.environ, **(env or {})},
     )
-    outcomes = dict(_RESULT.findall(done.stderr))
+    outcomes = unittest_outcomes(done.stderr)
     (workdir / "unittest.log").write_text(done.stderr)
     assert outcomes, f"no test results from the qa run:\n{done.stderr[-3000:]}"
     return outcomes
@@ -250,3 +269,20 @@ def test_tritons_parameter_and_header_tests_pass_through_the_gateway(
             assert log.count(TRAILING_SPACE[0]) == log.count(TRAILING_SPACE[1]) == len(failing), log
         else:
             assert failing == set(), (plane, failing)
+
+
+def test_outcomes_are_read_past_interleaved_output() -> None:
+    text = (
+        "test_a (m.T.test_a) ... ok\n"
+        "test_b (m.T.test_b) ... Executing <Task finished coro=<T.test_b() done> took 0.101 seconds\n"
+        "ok\n"
+        "test_c (m.T.test_c) ... FAIL\n"
+        "test_d (m.T.test_d) ... skipped 'no GPU'\n"
+        "\n======================================================================\nFAIL: test_c ok\n"
+    )
+    assert unittest_outcomes(text) == {
+        "test_a": "ok",
+        "test_b": "ok",
+        "test_c": "FAIL",
+        "test_d": "skipped 'no GPU'",
+    }

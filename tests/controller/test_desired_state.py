@@ -68,3 +68,29 @@ def test_every_named_region_reports_its_servers_passed_before_promotion() -> Non
     s = s.canary_passed("eu-west/b").canary_region_done(["eu-west"])
     assert s.canary is not None and s.canary.regions_done == ["eu-west", "us-east"]
     assert s.canary_region_done(["us-east"]) is s  # nothing new: no write
+
+
+def test_a_failed_canarys_version_stays_pinned_away_until_no_server_holds_it() -> None:
+    """After a canary fails, gateways keep pinning unversioned requests to the served version for as
+    long as some server still has the candidate loaded (Triton would answer from its newest loaded
+    version: a client of the rare-class shadow test got the failed version 4 once)."""
+    from controller.reconcile import lingering_pins, traffic_plans
+
+    failed = (
+        DesiredState(model="m")
+        .published(1)
+        .published(2)
+        .start_canary(2, shadow=0.5)
+        .canary_failed("gate", "x")
+    )
+    states = {"m": failed}
+    both = [{"name": "m", "version": "1"}, {"name": "m", "version": "2"}]
+    served_only = [{"name": "m", "version": "1"}]
+    assert traffic_plans(states.values()) == {}
+    assert lingering_pins(states, [served_only, both], {}) == {
+        "m": {"stable": 1, "canary": 1, "share": 0.0, "shadow": 0.0, "started": 0.0}
+    }
+    assert lingering_pins(states, [served_only, served_only], {}) == {}
+    in_canary = DesiredState(model="m").published(1).published(2).start_canary(2, shadow=0.5)
+    plans = traffic_plans([in_canary])
+    assert lingering_pins({"m": in_canary}, [both], plans) == {}  # its canary plan stands
