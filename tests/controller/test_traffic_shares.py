@@ -39,7 +39,9 @@ from training.config import TrainConfig
 from training.launch import train
 
 SHARE = 0.3
-LENIENT = {"max_p99_ratio": 100.0, "max_error_rate": 0.05}  # a shared machine's latency is not the point
+# Latency is not the point here: on a loaded 2-core machine one canary answer took 1.5 s (254x the
+# stable version's p99) and failed the share's gate.
+LENIENT = {"max_p99_ratio": 1e6, "max_error_rate": 0.05}
 
 
 def _body(rows: np.ndarray) -> bytes:
