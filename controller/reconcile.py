@@ -6,7 +6,8 @@ Per pass, for every server and model: load when the READY versions differ from t
 (the served versions; plus the canary where it passed), unload models the repository no longer
 holds. Never on doubt: a model whose record cannot be read keeps whatever servers have loaded, and
 a listing that failed or came back empty unloads nothing; a model is unloaded as gone only once
-`absent_passes_before_unload` passes in a row listed the repository, non-empty, without it. A load that fails is recorded in the model's state (which version failed where) and retried
+`absent_passes_before_unload` passes in a row listed the repository, non-empty, without it.
+A load that fails is recorded in the model's state (which version failed where) and retried
 after a back-off; the server and its other models keep serving. Then each model in canary advances:
 the servers not yet checked are checked one by one under the canary lease; all passed means
 promoted, one failure means the version is failed and every server goes back to the served ones.
@@ -582,7 +583,9 @@ def lingering_pins(
 ) -> dict[str, dict[str, Any]]:
     """Pins (no share, no shadow) for models whose canary ended while some server still has a
     version loaded that is not served: until it is unloaded, an unversioned request would get
-    Triton's newest loaded version, the failed candidate (seen in the rare-class shadow test)."""
+    Triton's newest loaded version, the failed candidate. (It narrows the window; the gateway's
+    fall-back to an unpinned request while a reload leaves the stable version listed nowhere is
+    still open: a client got a failed candidate's answer that way in 2 of 4 loaded runs.)"""
     held: dict[str, set[int]] = {}
     for stats in observed:
         for model, versions in loaded_versions(stats).items():
