@@ -413,18 +413,18 @@ class Controller:
                 or claimed.canary.owner != self.me
             ):
                 return  # finished elsewhere, or another controller holds the lease
-            admin = self.admin(server)
             try:
-                summary = self._check_under_lease(
-                    admin, model, canary.version, claimed.served, card, server.name
-                )
+                summary = self._check_under_lease(server, model, canary.version, claimed.served, card)
             except ControlError as exc:
                 reason = str(exc)
+                admin = self.admin(server)
                 try:
                     admin.load(model)  # back to the served versions (the configs name them)
                     action = f"back on version(s) {', '.join(map(str, claimed.served))}"
                 except ControlError as again:
                     action = f"putting it back failed too: {again}"
+                finally:
+                    admin.close()
                 self.store.update(
                     model,
                     partial(_fail_canary, version=canary.version, server=server.name, reason=reason),
@@ -437,8 +437,6 @@ class Controller:
                     "%s: canary of %s version %d failed: %s", server.name, model, canary.version, reason
                 )
                 return
-            finally:
-                admin.close()
             self.store.update(model, partial(_pass_canary, version=canary.version, server=server.name))
             report.canary.append(f"{server.name}: {model} version {canary.version} {summary}")
             self.canary_log.append(report.canary[-1])
@@ -473,17 +471,28 @@ class Controller:
 
     def _check_under_lease(
         self,
-        admin: TritonAdmin,
+        server: ControlledServer,
         model: str,
         version: int,
         served: list[int],
         card: dict[str, Any],
-        server: str,
     ) -> str:
         """The canary check, renewing the lease while it runs (a load may outlast the lease)."""
-        renew = partial(DesiredState.canary_claimed, me=self.me, server=server, lease_s=self.cfg.lease_s)
+        renew = partial(
+            DesiredState.canary_claimed, me=self.me, server=server.name, lease_s=self.cfg.lease_s
+        )
+
+        def checked() -> str:
+            # Its own client, made and closed in the check's thread: tritonclient's HTTP client is
+            # bound to the thread that first used it and fails once that thread has exited.
+            admin = self.admin(server)
+            try:
+                return check(admin, model, version, served, card, self.cfg)
+            finally:
+                admin.close()
+
         with ThreadPoolExecutor(max_workers=1) as one:
-            running = one.submit(check, admin, model, version, served, card, self.cfg)
+            running = one.submit(checked)
             while True:
                 try:
                     return running.result(timeout=self.cfg.lease_s / 3)
