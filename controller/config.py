@@ -17,6 +17,11 @@ class ControllerConfig(BaseModel):
         description="how long one model load may take on a server: the servers' start-up budget",
     )
     lease_s: float = Field(default=30.0, gt=0, description="how long a canary lease outlives its holder")
+    leader_lease_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="with leader election: a dead leader is replaced within this plus a third of it",
+    )
     loads_per_server: int = Field(
         default=2,
         ge=1,

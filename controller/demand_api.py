@@ -11,6 +11,12 @@ repository has no such model). Bodies are bounded and names checked before anyth
 `POST /v1/traffic` takes a gateway worker's cumulative tallies of canaries (gateway/fleet/traffic_tally.py)
 and answers with what every gateway should do for each model in canary: the stable version to pin
 unversioned requests to, the canary's share of clients and the share of requests to mirror.
+
+Both need `Authorization: Bearer <token>` when the controller has callers' tokens
+(controller/api_auth.py; required unless it listens on loopback only). What a caller sends is
+bounded: asks name a model of the repository and a region of the fleet, reports keep only tallies
+of canaries running now, filed under the caller. A standby replica (leader election) answers 503
+`standby`. `/healthz`, `/readyz` (the leader, ready to reconcile) and `/metrics` need no token.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from controller.api_auth import CallerTokens
+from controller.traffic_gate import ReportRefused
 from gateway.fleet.traffic_tally import TrafficReport
 
 logger = logging.getLogger(__name__)
@@ -34,9 +42,17 @@ MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 
 class DemandApi:
-    def __init__(self, thread: Any, wait_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        thread: Any,
+        wait_s: float = 30.0,
+        tokens: CallerTokens | None = None,
+        regions: set[str] | None = None,
+    ) -> None:
         self.thread = thread  # controller.runner.ControllerThread
         self.wait_s = wait_s
+        self.tokens = tokens
+        self.regions = regions  # the fleet's regions: an ask naming another is refused
         self.runner: web.AppRunner | None = None
         self.port = 0
         self._models_cache: set[str] = set()
@@ -53,9 +69,12 @@ class DemandApi:
         return self._models_cache
 
     async def start(self, host: str, port: int) -> int:
-        app = web.Application(client_max_size=MAX_REPORT_BODY)
+        app = web.Application(client_max_size=MAX_REPORT_BODY, middlewares=[self._admit])
         app.router.add_post("/v1/demand", self.demand)
         app.router.add_post("/v1/traffic", self.traffic)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.metrics)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port)
@@ -66,6 +85,44 @@ class DemandApi:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+
+    @web.middleware
+    async def _admit(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """The caller's token on /v1/ (its name in request["caller"]); standbys refuse the API."""
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        caller = "local"
+        if self.tokens is not None:
+            found = self.tokens.caller(request.headers.get("Authorization"))
+            if found is None:
+                response = self._answer(
+                    401,
+                    "unauthorized",
+                    "send the caller's token as `Authorization: Bearer <token>` (the gateway's "
+                    "traffic.token_file / cold_start.token_file, one of the controller's --tokens-dir)",
+                )
+                response.headers["WWW-Authenticate"] = 'Bearer realm="skewserve-controller"'
+                return response
+            caller = found
+        if not self.thread.leading:
+            return self._answer(503, "standby", "this controller replica is a standby; ask the leader")
+        request["caller"] = caller
+        return await handler(request)
+
+    async def healthz(self, _request: web.Request) -> web.Response:
+        alive = self.thread.alive()
+        return self._answer(200 if alive else 503, "alive" if alive else "stuck", self.thread.health_text())
+
+    async def readyz(self, _request: web.Request) -> web.Response:
+        if not self.thread.leading:
+            return self._answer(503, "standby", "not the leader: reconciling is another replica's")
+        if self.thread.passes == 0:
+            return self._answer(503, "starting", "no reconcile pass finished yet")
+        return self._answer(200, "leader", f"{self.thread.passes} passes")
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        body, content_type = self.thread.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     @staticmethod
     def _answer(status: int, state: str, reason: str = "") -> web.Response:
@@ -89,8 +146,13 @@ class DemandApi:
         controller = self.thread.controller
         if model not in await self._models():
             return self._answer(404, "unknown", f"{model} is not in the repository")
-        if not isinstance(region, str) or len(region) > 200:
-            return self._answer(400, "invalid", "region must be a region name")
+        if not isinstance(region, str) or (
+            region and self.regions is not None and region not in self.regions
+        ):
+            known = ", ".join(sorted(self.regions or ()))
+            return self._answer(
+                400, "invalid", f"region must be one of the fleet's regions ({known}) or empty"
+            )
         state = await asyncio.to_thread(controller.store.current, model)
         if state is None or not state.served:
             return self._answer(503, "unplaced", f"no version of {model} is served: roll one out first")
@@ -125,5 +187,10 @@ class DemandApi:
             where = ".".join(str(p) for p in first["loc"])
             return self._answer(400, "invalid", f"traffic report: {where}: {first['msg']}")
         controller = self.thread.controller
-        controller.traffic.add(report)
-        return web.json_response({"models": controller.traffic_plans})
+        plans = controller.traffic_plans
+        running = {m: (int(p["canary"]), float(p["started"])) for m, p in plans.items()}
+        try:
+            controller.traffic.add(report, request["caller"], running)
+        except ReportRefused as exc:
+            return self._answer(429, "refused", str(exc))
+        return web.json_response({"models": plans})

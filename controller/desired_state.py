@@ -22,11 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from controller.errors import TransitionError
 
 STATE_FILE = "desired_state.json"
+# The record's format. Readers keep fields they do not know (a newer controller's, in another
+# region) and write them back unchanged; a record of a newer format is read but never written.
+FORMAT = 1
 VersionState = Literal["published", "canary", "promoted", "retired", "failed"]
 
 
 class VersionRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     state: VersionState
     since: float = Field(default_factory=time.time)
@@ -37,7 +40,7 @@ class TrafficGate(BaseModel):
     """What live and shadow traffic must show before a canary with a traffic share is promoted
     (controller/traffic_gate.py reads the gateways' reports against it)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     min_requests: int = Field(default=100, ge=1, description="canary (or mirrored) answers before judging")
     min_per_class: int = Field(default=20, ge=1, description="mirrored answers per class before judging it")
@@ -54,7 +57,7 @@ class TrafficGate(BaseModel):
 
 
 class Canary(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     version: int
     # Traffic once servers passed: `share` of clients (sticky per client key) are answered by the
@@ -78,9 +81,9 @@ class Canary(BaseModel):
 
 
 class DesiredState(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
-    format: int = 1
+    format: int = FORMAT
     model: str
     generation: int = 0
     served: list[int] = Field(default_factory=list)
@@ -95,6 +98,11 @@ class DesiredState(BaseModel):
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2) + "\n"
+
+    @property
+    def newer(self) -> bool:
+        """Written by a controller of a newer format: serve from it, never write it."""
+        return self.format > FORMAT
 
     def state_of(self, version: int) -> VersionState | None:
         record = self.versions.get(version)

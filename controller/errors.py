@@ -17,3 +17,7 @@ class TransitionError(ControlError):
 
 class RolloutError(ControlError):
     """A rollout that did not promote its version; the message says where and why."""
+
+
+class NewerRecord(ControlError):
+    """A desired state written by a newer controller: read, never overwritten (no downgrade)."""

@@ -60,6 +60,13 @@ class PassReport:
     evictions: list[str] = field(default_factory=list)
     unplaced: dict[str, str] = field(default_factory=dict)
     unfit: set[str] = field(default_factory=set)  # models larger than any server's capacity
+    unloads: list[str] = field(default_factory=list)
+    failed_loads: int = 0
+    store_errors: dict[str, int] = field(default_factory=dict)  # operation -> failures this pass
+    held: dict[str, list[str]] = field(default_factory=dict)  # server -> models READY at the start
+
+    def store_error(self, op: str) -> None:
+        self.store_errors[op] = self.store_errors.get(op, 0) + 1
 
 
 class Controller:
@@ -88,6 +95,8 @@ class Controller:
         self._absent: dict[str, int] = {}
         self._gone: set[str] = set()  # confirmed absent: unloaded wherever a server still holds it
         self.passes = 0
+        self.failed_passes = 0  # passes that raised (a store write failing, say): retried next time
+        self.last_pass_s = 0.0
         # placement by demand (cfg.placement): what it measured and decided last
         self.demand = DemandTracker()
         self.copies: dict[str, dict[str, int]] = {}  # region -> model -> copies
@@ -120,6 +129,7 @@ class Controller:
             listed: list[str] | None = list(self.models())
         except Exception as exc:  # the store is down or slow: no model's records this pass
             report.failures.append(f"repository listing failed: {exc}; nothing unloaded this pass")
+            report.store_error("list")
             logger.warning("repository listing failed: %s; nothing unloaded this pass", exc)
             listed = None
         if listed is not None and not listed and not self.scoped:
@@ -138,6 +148,7 @@ class Controller:
                     self._materialized[model] = state.generation
             except Exception as exc:
                 report.failures.append(f"{model}: desired state unreadable: {exc}")
+                report.store_error("read")
                 logger.warning("%s: desired state unreadable: %s", model, exc)
                 unreadable.add(model)
                 continue
@@ -158,6 +169,7 @@ class Controller:
                     zip(servers, pool.map(lambda s: self._observe(s, report), servers), strict=True)
                 )
                 reachable = {s: stats for s, stats in observed.items() if stats is not None}
+                report.held = {s.name: sorted(loaded_versions(st)) for s, st in reachable.items()}
                 self.held_anywhere = {m for stats in reachable.values() for m in loaded_versions(stats)}
                 if plans is not None:
                     self.traffic_plans = plans | lingering_pins(states, reachable.values(), plans)
@@ -167,6 +179,12 @@ class Controller:
                     pool.map(lambda item: self._converge(item[0], item[1], states, report), reachable.items())
                 )
         for state in states.values():
+            if state.newer:
+                report.failures.append(
+                    f"{state.model}: desired state has format {state.format} (a newer controller's): "
+                    "served as it says, its canary left to that controller; upgrade this one"
+                )
+                continue
             if state.canary is not None:
                 try:
                     self._advance_canary(state, servers, report)
@@ -263,7 +281,7 @@ class Controller:
                     if model in loaded:
                         try:
                             admin.unload(model)
-                            report.loads.append(f"{server.name}: {model} evicted (placement)")
+                            report.unloads.append(f"{server.name}: {model} evicted (placement)")
                             logger.info("%s: %s evicted (placement)", server.name, model)
                         except ControlError as exc:
                             report.failures.append(str(exc))
@@ -285,7 +303,7 @@ class Controller:
                     continue
                 if not want or have == want:
                     if have == want and state.load_failures:
-                        self.store.update(
+                        self._record(
                             model, partial(DesiredState.load_succeeded, versions=want, server=server.name)
                         )
                     continue
@@ -305,7 +323,7 @@ class Controller:
             for model in [] if self.scoped else sorted(set(loaded) & self._gone):
                 try:
                     admin.unload(model)
-                    report.loads.append(f"{server.name}: {model} unloaded (not in the repository)")
+                    report.unloads.append(f"{server.name}: {model} unloaded (not in the repository)")
                 except ControlError as exc:
                     report.failures.append(str(exc))
         finally:
@@ -348,10 +366,11 @@ class Controller:
             reason = str(exc)
             self._retry_at[key] = (asked + wait, min(wait * 2, 600.0))
             for v in [v for v in want if v not in have] or want:
-                self.store.update(
+                self._record(
                     model, partial(DesiredState.load_failed, version=v, server=server.name, reason=reason)
                 )
             report.failures.append(f"{server.name}: {model} {want}: {reason}")
+            report.failed_loads += 1
             logger.warning("%s: loading %s versions %s failed: %s", server.name, model, want, reason)
             return
         finally:
@@ -360,6 +379,14 @@ class Controller:
         self._retry_at.pop(key, None)
         report.loads.append(f"{server.name}: {model} {have} -> {want}")
         logger.info("%s: %s now serves versions %s (was %s)", server.name, model, want, have)
+
+    def _record(self, model: str, change: Callable[[DesiredState], DesiredState]) -> None:
+        """Note a load's outcome in the record, best effort: a record this controller may not write
+        (a newer format) or a store error must not stop the server's other loads."""
+        try:
+            self.store.update(model, change)
+        except Exception as exc:
+            logger.warning("%s: load outcome not recorded: %s", model, exc)
 
     def _advance_canary(
         self, state: DesiredState, servers: list[ControlledServer], report: PassReport
@@ -478,9 +505,7 @@ class Controller:
         card: dict[str, Any],
     ) -> str:
         """The canary check, renewing the lease while it runs (a load may outlast the lease)."""
-        renew = partial(
-            DesiredState.canary_claimed, me=self.me, server=server.name, lease_s=self.cfg.lease_s
-        )
+        renew = partial(DesiredState.canary_claimed, me=self.me, server=server.name, lease_s=self.cfg.lease_s)
 
         def checked() -> str:
             # Its own client, made and closed in the check's thread: tritonclient's HTTP client is
@@ -535,17 +560,32 @@ class Controller:
             )
         raise ControlError(f"{model}: rollout did not finish within {max_passes} passes")
 
-    async def run(self, stop: asyncio.Event, on_pass: Callable[[PassReport], None] | None = None) -> None:
-        """Reconcile every `interval_s` until `stop` is set; a failing pass is logged and retried."""
+    def wake(self) -> None:
+        """Run the next pass now (from the loop running `run`)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    async def run(
+        self,
+        stop: asyncio.Event,
+        on_pass: Callable[[PassReport], None] | None = None,
+        leading: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Reconcile every `interval_s` until `stop` is set, while `leading()` (leader election);
+        a failing pass is logged, counted and retried."""
         self._wake = asyncio.Event()
         while not stop.is_set():
             self._wake.clear()  # an ask during this pass wakes the loop for the next one at once
-            try:
-                report = await asyncio.to_thread(self.reconcile_once)
-                if on_pass is not None:
-                    on_pass(report)
-            except Exception:  # a broken pass must not end reconciliation for the fleet
-                logger.exception("reconcile pass failed")
+            if leading():
+                started = time.monotonic()
+                try:
+                    report = await asyncio.to_thread(self.reconcile_once)
+                    self.last_pass_s = time.monotonic() - started
+                    if on_pass is not None:
+                        on_pass(report)
+                except Exception:  # a broken pass must not end reconciliation for the fleet
+                    self.failed_passes += 1
+                    logger.exception("reconcile pass failed")
             stopping = asyncio.ensure_future(stop.wait())
             woken = asyncio.ensure_future(self._wake.wait())
             await asyncio.wait(

@@ -12,9 +12,12 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from controller.api_auth import CallerTokens
 from controller.config import ControllerConfig
 from controller.demand_api import DemandApi
 from controller.fleet import ControlledServer, FleetSpec, ServerSet
+from controller.leader import LeaderElection
+from controller.metrics import ControllerMetrics
 from controller.reconcile import Controller, PassReport
 from controller.state_store import StateStore
 
@@ -30,10 +33,21 @@ class ControllerThread:
         cfg: ControllerConfig | None = None,
         regions: set[str] | None = None,
         reconcile: bool = True,
+        leader_election: bool = False,
     ) -> None:
         self.fleet = ServerSet(gateway_cfg)
+        self.fleet_regions = {r.name for r in gateway_cfg.regions}
         self.regions = regions
         self.controller = Controller(store, self.servers, key, cfg)
+        self.metrics = ControllerMetrics()
+        self.metrics.track_failed_passes(lambda: self.controller.failed_passes)
+        # one lease per set of regions: each region's controllers elect their own leader
+        scope = "-".join(sorted(regions)) if regions else "all"
+        self.election = (
+            LeaderElection(store, self.controller.me, scope, self.controller.cfg.leader_lease_s)
+            if leader_election
+            else None
+        )
         self.reconcile = reconcile
         self.passes = 0
         self.last_report: PassReport | None = None
@@ -49,6 +63,19 @@ class ControllerThread:
         found = self.fleet.snapshot()
         return [s for s in found if self.regions is None or s.region in self.regions]
 
+    @property
+    def leading(self) -> bool:
+        """Whether this replica reconciles (always, without leader election)."""
+        return self.election is None or self.election.leading
+
+    def alive(self) -> bool:
+        runner = getattr(self, "_runner", None)
+        return self._thread.is_alive() and (runner is None or not runner.done())
+
+    def health_text(self) -> str:
+        role = "leader" if self.leading else "standby"
+        return f"{role}; {self.passes} passes; loop {'running' if self.alive() else 'stopped'}"
+
     def start(self) -> ControllerThread:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self.fleet.start(), self._loop).result(timeout=60)
@@ -58,9 +85,43 @@ class ControllerThread:
 
     async def _run(self) -> None:
         self._stop = asyncio.Event()
-        await self.controller.run(self._stop, self._passed)
+        campaign = None
+        if self.election is not None:
+            await self._campaign_once()
+            campaign = asyncio.ensure_future(self._campaign(self._stop))
+        try:
+            await self.controller.run(self._stop, self._passed, lambda: self.leading)
+        finally:
+            if campaign is not None:
+                campaign.cancel()
+                await asyncio.gather(campaign, return_exceptions=True)
+            if self.election is not None:
+                await asyncio.to_thread(self.election.release)
+                self.metrics.set_leader(False)
+
+    async def _campaign_once(self) -> None:
+        assert self.election is not None
+        was = self.election.leading
+        now = await asyncio.to_thread(self.election.attempt)
+        self.metrics.set_leader(now)
+        if now != was:
+            logger.info("%s is %s", self.controller.me, "the leader" if now else "a standby")
+            if now:
+                self.controller.wake()  # reconcile now: the previous leader's pass may be long gone
+
+    async def _campaign(self, stop: asyncio.Event) -> None:
+        """Renew (or try to take) the lease beside the passes: a long pass never lets it lapse."""
+        assert self.election is not None
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.election.renew_every_s)
+            except asyncio.TimeoutError:
+                pass
+            if not stop.is_set():
+                await self._campaign_once()
 
     def _passed(self, report: PassReport) -> None:
+        self.metrics.observe(report, self.controller.last_pass_s)
         self.passes += 1
         self.last_report = report
         self._first_pass.set()
@@ -80,9 +141,10 @@ class ControllerThread:
             return None
         return self.last_report
 
-    def serve_demand(self, host: str, port: int) -> int:
-        """Start the demand API (gateway cold starts) on the controller's loop; its port."""
-        self.demand_api = DemandApi(self)
+    def serve_demand(self, host: str, port: int, tokens: CallerTokens | None = None) -> int:
+        """Start the controller's API (traffic reports, cold starts, probes, metrics) on its loop;
+        its port. With `tokens`, /v1/ calls need a caller's bearer token."""
+        self.demand_api = DemandApi(self, tokens=tokens, regions=self.fleet_regions)
         return asyncio.run_coroutine_threadsafe(self.demand_api.start(host, port), self._loop).result(
             timeout=30
         )

@@ -12,6 +12,8 @@ After each change the model's configs are re-pinned to the served versions (`ver
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -21,12 +23,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from controller.desired_state import STATE_FILE, DesiredState, adopted
-from controller.errors import ControlError, StateConflict
+from controller.desired_state import FORMAT, STATE_FILE, DesiredState, adopted
+from controller.errors import ControlError, NewerRecord, StateConflict
 from exporter.triton_config import parse, render
 
 logger = logging.getLogger(__name__)
 MAX_WRITE_ATTEMPTS = 16
+
+
+def record_file(name: str) -> str:
+    return f".skewserve-{name}.json"
 
 
 def pin_versions(config_text: str, versions: list[int]) -> str:
@@ -84,6 +90,15 @@ class StateStore(ABC):
     def version_bytes(self, model: str, version: int) -> int:
         """Bytes of the version's files (placement's footprint when Triton reports none)."""
 
+    @abstractmethod
+    def read_record(self, name: str) -> tuple[bytes | None, object]:
+        """A repository-level record (`.skewserve-<name>.json` at the root, beside no model, which
+        Triton never reads as one) and a token for a conditional write."""
+
+    @abstractmethod
+    def write_record(self, name: str, data: bytes, token: object) -> None:
+        """Write if nobody wrote since `token` was read (None: only if absent); StateConflict otherwise."""
+
     # -- shared logic --------------------------------------------------------------------------
     def current(self, model: str) -> DesiredState | None:
         """The record, adopting a model published before desired state existed (written once)."""
@@ -101,6 +116,12 @@ class StateStore(ABC):
                 fresh = True
             else:
                 fresh = False
+            if state.newer:
+                raise NewerRecord(
+                    f"{self.url}/{model}/{STATE_FILE} has format {state.format}, written by a newer "
+                    f"skewserve controller; this one reads format {FORMAT} and does not overwrite it: "
+                    "upgrade it (or the command) before changing this model"
+                )
             new = change(state)
             if new is state and not fresh:
                 self.materialize(new)
@@ -201,6 +222,27 @@ class DiskStateStore(StateStore):
         folder = self.root / model / str(version)
         return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
+    def read_record(self, name: str) -> tuple[bytes | None, object]:
+        try:
+            data = (self.root / record_file(name)).read_bytes()
+        except FileNotFoundError:
+            return None, None
+        return data, hashlib.sha256(data).hexdigest()
+
+    def write_record(self, name: str, data: bytes, token: object) -> None:
+        from exporter.publish import _atomic_write
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / f"{record_file(name)}.lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # held for a read and a rename: never long
+            try:
+                _, now = self.read_record(name)
+                if now != token:
+                    raise StateConflict(f"{self.root / record_file(name)} changed since it was read")
+                _atomic_write(self.root / record_file(name), data.decode())
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
     def remove_version(self, model: str, version: int) -> None:
         """Rename aside first (readers then never see half a folder), then delete."""
         from exporter.publish import STAGING_PREFIX, model_lock
@@ -298,6 +340,34 @@ class ObjectStateStore(StateStore):
             return read_card(self.repo, model, version, self.client)
         except PublishError as exc:
             raise ControlError(str(exc)) from exc
+
+    def read_record(self, name: str) -> tuple[bytes | None, object]:
+        from botocore.exceptions import ClientError
+
+        from exporter.object_store import _error_code
+
+        try:
+            obj = self.client.get_object(Bucket=self.repo.bucket, Key=self.repo.key(record_file(name)))
+        except ClientError as exc:
+            if _error_code(exc) in ("NoSuchKey", "404"):
+                return None, None
+            raise
+        return obj["Body"].read(), obj["ETag"]
+
+    def write_record(self, name: str, data: bytes, token: object) -> None:
+        from botocore.exceptions import ClientError
+
+        from exporter.object_store import _error_code
+
+        condition = {"IfMatch": str(token)} if token else {"IfNoneMatch": "*"}
+        try:
+            self.client.put_object(
+                Bucket=self.repo.bucket, Key=self.repo.key(record_file(name)), Body=data, **condition
+            )
+        except ClientError as exc:
+            if _error_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                raise StateConflict(f"{self.url}/{record_file(name)} changed since it was read") from exc
+            raise
 
     def version_bytes(self, model: str, version: int) -> int:
         total = 0

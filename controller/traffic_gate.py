@@ -28,17 +28,49 @@ class Verdict:
     text: str
 
 
+MAX_REPORTERS_PER_CALLER = 256  # gateway workers one credential reports for, per canary
+
+
+class ReportRefused(ValueError):
+    """A report the controller does not keep; the message says why."""
+
+
 class TrafficReports:
-    """The latest cumulative report of each gateway worker, per canary (model, version, start)."""
+    """The latest cumulative report of each gateway worker, per canary (model, version, start).
+
+    Reporters are filed under the caller that sent them (its credential), and only tallies of
+    canaries running now are kept: what a caller sends changes only its own share of the sum, and
+    memory stays bounded by canaries x callers x MAX_REPORTERS_PER_CALLER."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # written by the API's loop, read by reconcile passes
         self._latest: dict[tuple[str, int, float], dict[str, ModelTally]] = {}
 
-    def add(self, report: TrafficReport) -> None:
+    def add(
+        self,
+        report: TrafficReport,
+        caller: str = "",
+        running: dict[str, tuple[int, float]] | None = None,
+    ) -> int:
+        """Keep the report's tallies of canaries in `running` (model -> (version, started); None:
+        all); the number of tallies kept. ReportRefused when the caller has too many reporters."""
+        reporter = f"{caller}/{report.reporter}" if caller else report.reporter
+        kept = 0
         with self._lock:
             for model, tally in report.models.items():
-                self._latest.setdefault((model, tally.version, tally.started), {})[report.reporter] = tally
+                if running is not None and running.get(model) != (tally.version, tally.started):
+                    continue  # not in canary (ended, or never was): nothing to judge with it
+                by_reporter = self._latest.setdefault((model, tally.version, tally.started), {})
+                if reporter not in by_reporter and caller:
+                    mine = sum(1 for r in by_reporter if r.startswith(f"{caller}/"))
+                    if mine >= MAX_REPORTERS_PER_CALLER:
+                        raise ReportRefused(
+                            f"{caller} already reports for {mine} gateway workers on {model}'s canary "
+                            f"(at most {MAX_REPORTERS_PER_CALLER}): keep one reporter name per worker"
+                        )
+                by_reporter[reporter] = tally
+                kept += 1
+        return kept
 
     def total(self, model: str, version: int, started: float) -> ModelTally:
         with self._lock:

@@ -631,6 +631,11 @@ class ColdStartConfig(_Strict):
     controller_url: str = Field(
         pattern=r"^https?://[^/\s]+$", description="the controller's demand API, e.g. http://controller:8090"
     )
+    token_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="file holding the bearer token for the controller's API (one of its --tokens-dir)",
+    )
     wait_s: float = Field(default=30.0, gt=0, description="most a request waits for its model's load")
     max_waiting: int = Field(default=256, ge=1, description="requests waiting for loads at once, per worker")
     retry_after_s: int = Field(default=5, ge=1, description="Retry-After when a model cannot be loaded now")
@@ -641,6 +646,11 @@ class TrafficConfig(_Strict):
 
     controller_url: str = Field(
         pattern=r"^https?://[^/\s]+$", description="the controller's API, e.g. http://controller:8090"
+    )
+    token_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="file holding the bearer token for the controller's API (one of its --tokens-dir)",
     )
     poll_s: float = Field(default=1.0, gt=0, le=60, description="report tallies and read plans this often")
     sticky_header: str = Field(

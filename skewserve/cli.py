@@ -901,8 +901,21 @@ def controller_command(
     listen: str | None = typer.Option(
         None,
         "--listen",
-        help="HOST:PORT of the controller's API for gateways: traffic of models in canary (the gateways' "
-        "traffic.controller_url) and, with --placement, models no server holds (cold_start.controller_url).",
+        help="[HOST:]PORT of the controller's API for gateways: traffic of models in canary (the gateways' "
+        "traffic.controller_url) and, with --placement, models no server holds (cold_start.controller_url); "
+        "also /healthz, /readyz and /metrics. HOST defaults to 127.0.0.1; any other needs --tokens-dir.",
+    ),
+    tokens_dir: Path | None = typer.Option(
+        None,
+        "--tokens-dir",
+        help="Directory of callers' bearer tokens (file name: caller, content: token; a mounted "
+        "Kubernetes Secret): /v1/ calls without one of them are refused 401.",
+    ),
+    leader_election: bool = typer.Option(
+        False,
+        "--leader-election",
+        help="Run as one of several replicas: only the holder of a lease in the repository reconciles; "
+        "another takes over within about 1.33x the lease (15 s) after the leader dies.",
     ),
     placement: Path | None = typer.Option(
         None,
@@ -914,6 +927,9 @@ def controller_command(
         False,
         "--servers-version-compatible",
         help="The servers run with --backend-config=tensorrt,version-compatible=true.",
+    ),
+    leader_lease: float = typer.Option(
+        15.0, "--leader-lease", help="Seconds of the leader's lease (with --leader-election)."
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
@@ -943,6 +959,7 @@ def controller_command(
             servers_version_compatible=version_compatible,
             placement=placement_cfg,
             canary_regions=tuple(r.strip() for r in (canary_regions or "").split(",") if r.strip()),
+            leader_lease_s=leader_lease,
         )
     except (ConfigError, ValueError, OSError) as exc:
         error(exc, label="controller")
@@ -957,14 +974,24 @@ def controller_command(
     if unknown:
         error(ValueError(f"regions {sorted(unknown)} are not in {config}"), label="controller")
         raise typer.Exit(2)
-    thread = ControllerThread(gw, open_store(repo), key, cfg, regions=wanted).start()
+    tokens = None
+    host, _, port = (listen or "").rpartition(":")
+    host = host or "127.0.0.1"
     if listen:
-        host, _, port = listen.rpartition(":")
         try:
-            bound = thread.serve_demand(host or "0.0.0.0", int(port))
+            tokens = controller_tokens(host, tokens_dir)
+        except ValueError as exc:
+            error(exc, label="controller")
+            raise typer.Exit(2) from exc
+    thread = ControllerThread(
+        gw, open_store(repo), key, cfg, regions=wanted, leader_election=leader_election
+    ).start()
+    if listen:
+        try:
+            bound = thread.serve_demand(host, int(port), tokens)
         except (ValueError, OSError) as exc:
             thread.stop()
-            error(ValueError(f"--listen {listen}: {exc} (give HOST:PORT, a free port)"), label="controller")
+            error(ValueError(f"--listen {listen}: {exc} (give [HOST:]PORT, a free port)"), label="controller")
             raise typer.Exit(2) from exc
         say(
             f"controller API on http://{host}:{bound}: /v1/traffic (gateways' traffic.controller_url)"
@@ -975,6 +1002,22 @@ def controller_command(
         wait_for_interrupt()
     finally:
         thread.stop()
+
+
+def controller_tokens(host: str, tokens_dir: Path | None) -> Any:
+    """The callers' tokens for the controller's API; ValueError when the API would be open beyond
+    this machine without them."""
+    from controller.api_auth import CallerTokens, is_loopback
+
+    if tokens_dir is not None:
+        return CallerTokens(tokens_dir)
+    if not is_loopback(host):
+        raise ValueError(
+            f"--listen {host}: the controller's API would take traffic reports and load asks from "
+            "anyone who reaches it; give --tokens-dir (one bearer token per caller) or listen on 127.0.0.1"
+        )
+    say("controller API without tokens: loopback only, every local process may call it")
+    return None
 
 
 def rollout_targets(config: Path, log_dir: Path) -> tuple[Any, str | None, str]:

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 CONTROL_KEY_FILE = "control.key"
+CONTROLLER_TOKENS_DIR = "controller-tokens"
 
 
 class StackConfigError(SkewserveError):
@@ -228,12 +229,13 @@ class LocalStack:
             if self.controller is not None:
                 # the gateway follows canaries' traffic plans and, with placement by demand, asks the
                 # controller for models no server holds
-                port = self.controller.serve_demand("127.0.0.1", 0)
+                tokens, token_file = self._controller_tokens()
+                port = self.controller.serve_demand("127.0.0.1", 0, tokens)
                 cfg = self.gateway_config()
-                url = f"http://127.0.0.1:{port}"
-                cfg.setdefault("traffic", {"controller_url": url})
+                ask = {"controller_url": f"http://127.0.0.1:{port}", "token_file": str(token_file)}
+                cfg.setdefault("traffic", ask)
                 if self.config.controller.placement is not None:
-                    cfg.setdefault("cold_start", {"controller_url": url})
+                    cfg.setdefault("cold_start", ask)
                 self.gateway_config_path.write_text(yaml.safe_dump(cfg))
         host = self.config.gateway.get("listen", {}).get("host", "127.0.0.1")
         self.gateway = start_gateway_process(
@@ -248,6 +250,18 @@ class LocalStack:
     @property
     def gateway_proc(self) -> subprocess.Popen[bytes] | None:
         return self.gateway.proc if self.gateway is not None else None
+
+    def _controller_tokens(self) -> tuple[Any, Path]:
+        """The controller API's tokens: one caller, this stack's gateway, with a fresh token (a
+        loopback port is still reachable by every local user)."""
+        from controller.api_auth import CallerTokens
+
+        folder = self.log_dir / CONTROLLER_TOKENS_DIR
+        folder.mkdir(mode=0o700, exist_ok=True)
+        token_file = folder / "gateway"
+        token_file.touch(mode=0o600)
+        token_file.write_text(secrets.token_urlsafe(32))
+        return CallerTokens(folder), token_file
 
     def _start_controller(self, timeout_s: float) -> None:
         """Run the controller and wait for its first pass: the gateway opens on loaded models."""

@@ -21,6 +21,7 @@ import aiohttp
 
 from gateway.config import ColdStartConfig
 from gateway.errors import Overloaded
+from gateway.fleet.controller_token import ControllerToken, ControllerTokenError
 from gateway.fleet.health import HealthChecker
 from gateway.upstream.server import UpstreamServer
 
@@ -53,6 +54,7 @@ class ColdStart:
         self._asking: dict[str, asyncio.Task[DemandAnswer]] = {}
         self._unknown: dict[str, float] = {}  # names the controller does not know -> until when
         self._session: aiohttp.ClientSession | None = None
+        self.token = ControllerToken(cfg.token_file)
 
     def _busy(self, message: str) -> Overloaded:
         return Overloaded(message, headers={"retry-after": str(self.cfg.retry_after_s)})
@@ -112,9 +114,13 @@ class ColdStart:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.wait_s + 5))
         try:
             async with self._session.post(
-                f"{self.cfg.controller_url}/v1/demand", json={"model": model, "region": self.region}
+                f"{self.cfg.controller_url}/v1/demand",
+                json={"model": model, "region": self.region},
+                headers=await self.token.headers(),
             ) as resp:
                 body = await resp.read()
+        except ControllerTokenError as exc:
+            raise self._busy(f"the gateway cannot ask the model controller: {exc}") from exc
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise self._busy(
                 f"the model controller at {self.cfg.controller_url} did not answer: {exc}"

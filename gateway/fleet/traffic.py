@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from gateway.config import TrafficConfig
+from gateway.fleet.controller_token import ControllerToken
 from gateway.fleet.shadow import ClassSampler
 from gateway.fleet.traffic_tally import ModelTally, Role, TrafficReport
 from gateway.upstream.server import UpstreamServer
@@ -58,6 +59,7 @@ class Traffic:
         self.polls = 0
         self.poll_errors = 0
         self._session: aiohttp.ClientSession | None = None
+        self.token = ControllerToken(cfg.token_file)
         self._task: asyncio.Task[None] | None = None
 
     # -- the hot path ----------------------------------------------------------------------------
@@ -101,6 +103,7 @@ class Traffic:
 
     # -- following the controller ----------------------------------------------------------------
     async def start(self) -> None:
+        await self.token.headers()  # a missing or empty token file stops the start, named
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         self._task = asyncio.get_running_loop().create_task(self._follow(), name="traffic-follow")
 
@@ -132,8 +135,9 @@ class Traffic:
     async def poll(self) -> None:
         assert self._session is not None
         body = self.report().model_dump_json().encode()
+        headers = {"content-type": "application/json", **await self.token.headers()}
         async with self._session.post(
-            f"{self.cfg.controller_url}/v1/traffic", data=body, headers={"content-type": "application/json"}
+            f"{self.cfg.controller_url}/v1/traffic", data=body, headers=headers
         ) as resp:
             answer = await resp.json()
             if resp.status != 200:

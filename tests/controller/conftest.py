@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from controller.api_auth import CallerTokens
 from controller.config import ControllerConfig
 from controller.fleet import ControlledServer, FleetSpec
 from controller.runner import ControllerThread
@@ -19,6 +20,7 @@ from skewserve.triton_process import TritonServer, TritonServerSpec
 from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway
 
 KEY = "test-control-key"
+GATEWAY_TOKEN = "test-gateway-token-0123456789"
 # Short passes; a lapsed lease lets a restarted controller resume a killed one's canary at once.
 CFG = ControllerConfig(interval_s=0.2, lease_s=0.5, retry_after_s=0.2, load_timeout_s=120)
 
@@ -76,13 +78,17 @@ def controller_and_gateway(
     thread = ControllerThread(fleet, store, KEY, cfg).start()
     gw = None
     try:
-        url = f"http://127.0.0.1:{thread.serve_demand('127.0.0.1', 0)}"
+        tokens = workdir / "controller-tokens"  # the gateways authenticate as in deploy/
+        tokens.mkdir(parents=True, exist_ok=True)
+        (tokens / "gateway-r").write_text(GATEWAY_TOKEN)
+        url = f"http://127.0.0.1:{thread.serve_demand('127.0.0.1', 0, CallerTokens(tokens))}"
         assert thread.wait_first_pass(120)
+        ask = {"controller_url": url, "token_file": str(tokens / "gateway-r")}
         extra: dict[str, Any] = {}
         if cold_start:
-            extra["cold_start"] = {"controller_url": url}
+            extra["cold_start"] = ask
         if traffic is not None:
-            extra["traffic"] = {"controller_url": url, **traffic}
+            extra["traffic"] = {**ask, **traffic}
         gw = launch_gateway(gateway_config({"r": servers}, home="r", cache={"models": []}, **extra), workdir)
         yield thread, gw
     finally:

@@ -4,12 +4,15 @@ a model removed from the repository is unloaded only after `absent_passes_before
 
 from __future__ import annotations
 
+import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from controller.desired_state import DesiredState
+from controller.desired_state import STATE_FILE, DesiredState
+from controller.errors import NewerRecord
 from controller.reconcile import Controller
 from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
@@ -80,6 +83,46 @@ def test_a_model_is_unloaded_only_when_confirmed_gone_never_on_a_failed_read(
         store.listing = "ok"
         report = controller.reconcile_once()
         assert loaded(server) == {"lt": [1]}
-        assert report.loads == ["s: other unloaded (not in the repository)"]
+        assert report.unloads == ["s: other unloaded (not in the repository)"] and report.loads == []
+    finally:
+        server.stop()
+
+
+def test_a_record_from_a_newer_controller_is_served_and_never_downgraded(
+    small_artifact: Path, tmp_path: Path, prepared_triton: PreparedTriton
+) -> None:
+    repo = tmp_path / "repo"
+    export_artifact(small_artifact, repo, "lt", tensorrt="off")
+    export_artifact(small_artifact, repo, "lt", tensorrt="off")
+    store = DiskStateStore(repo)
+    state = store.current("lt")
+    assert state is not None and state.served == [1]
+    record = repo / "lt" / STATE_FILE
+
+    # a field this controller does not know (a newer controller's, same format): kept on writes
+    raw = json.loads(record.read_text())
+    raw["placement_hints"] = {"prefer": "gpu"}
+    raw["versions"]["1"]["signed_by"] = "ci"
+    record.write_text(json.dumps(raw))
+    store.update("lt", partial(DesiredState.start_canary, version=2))
+    kept = json.loads(record.read_text())
+    assert kept["placement_hints"] == {"prefer": "gpu"} and kept["versions"]["1"]["signed_by"] == "ci"
+    assert kept["canary"]["version"] == 2
+
+    # a newer format: served as it says, never written (a canary in it is the newer controller's)
+    kept["format"] = 2
+    record.write_text(json.dumps(kept))
+    before = record.read_bytes()
+    server = controlled_server(repo, "s", tmp_path / "logs", prepared_triton)
+    try:
+        server.start()
+        controller = Controller(store, as_controlled([server]), KEY, CFG)
+        for _ in range(3):
+            report = controller.reconcile_once()
+        assert loaded(server) == {"lt": [1]}
+        assert any("format 2 (a newer controller's)" in f for f in report.failures), report.failures
+        assert record.read_bytes() == before
+        with pytest.raises(NewerRecord, match="has format 2, written by a newer skewserve controller"):
+            store.update("lt", partial(DesiredState.rollback))
     finally:
         server.stop()
