@@ -130,3 +130,19 @@ GPU_PYTHON ?= $(BIN)/python
 .PHONY: gpu-check
 gpu-check:
 	$(GPU_PYTHON) scripts/gpu_check.py
+
+# Every image the Kubernetes overlays run, pinned by digest (deploy/images.py): builds and pushes the
+# gateway image to $(REGISTRY), asks the registry for each image's digest (crane, or docker buildx
+# imagetools), writes the digests into deploy/k8s/base/kustomization.yaml and prints them.
+# BUILD=0 pins what the registry holds without building.
+REGISTRY ?=
+BUILD ?= 1
+.PHONY: images deploy-check
+images:
+	$(PYTHON) deploy/images.py --registry '$(REGISTRY)' --build $(BUILD)
+
+# Before `kubectl apply`: each overlay rendered by `kubectl kustomize` and checked by the policy rules
+# of tests/deploy/policy.py, placeholders refused (digests of zeros, ACCOUNT_ID). `make test` runs
+# the same rules on the same overlays, without the release one.
+deploy-check: setup
+	$(BIN)/python -m tests.deploy.policy --release $(wildcard deploy/k8s/overlays/*)

@@ -90,13 +90,17 @@ def test_triton_runs_the_pinned_image_on_a_reserved_gpu(rendered: dict[str, Any]
 def test_triton_starts_empty_and_only_the_controller_holds_its_model_control_key(
     rendered: dict[str, Any],
 ) -> None:
-    from controller.triton_admin import restricted_api_args
+    from controller.triton_admin import CONTROL_HEADER
 
     args = rendered["services"]["triton"]["command"]
     assert not any(a.startswith("--load-model") for a in args)  # one broken model cannot stop start-up
     assert "--strict-readiness=false" in args
-    for flag in restricted_api_args(SECRETS["SKEWSERVE_CONTROL_KEY"]):
-        assert flag in args
+    # the header the controller sends, the key it holds, and the same control APIs as the clusters'
+    control = (
+        f"model-repository,shared-memory,trace,logging:{CONTROL_HEADER}={SECRETS['SKEWSERVE_CONTROL_KEY']}"
+    )
+    assert f"--http-restricted-api={control}" in args
+    assert f"--grpc-restricted-protocol={control}" in args
     assert "--backend-config=tensorrt,version-compatible=true" in args
     controller = rendered["services"]["controller"]
     assert controller["environment"]["SKEWSERVE_CONTROL_KEY"] == SECRETS["SKEWSERVE_CONTROL_KEY"]
@@ -169,9 +173,9 @@ def test_every_bind_mount_exists_and_prometheus_config_passes_promtool(
     promtool = shutil.which("promtool")
     assert promtool, "promtool is required (Debian package prometheus)"
     prom = mounts["/etc/prometheus/prometheus.yml"].read_text()
-    (tmp_path / "prometheus.yml").write_text(
-        prom.replace("/etc/prometheus/rules.yml", str(mounts["/etc/prometheus/rules.yml"]))
-    )
+    for rule_file in yaml.safe_load(prom)["rule_files"]:  # each one mounted, and read by promtool
+        prom = prom.replace(rule_file, str(mounts[rule_file]))
+    (tmp_path / "prometheus.yml").write_text(prom)
     res = subprocess.run(
         [promtool, "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True
     )

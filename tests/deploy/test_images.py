@@ -1,4 +1,5 @@
-"""The gateway image: only the `gateway` extra, pinned bases, a tight build context, hadolint clean."""
+"""The gateway image: only the `gateway` extra, pinned bases, a tight build context, hadolint clean;
+and `make images` (deploy/images.py), which pins every image of the overlays by digest."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -147,3 +149,87 @@ def test_the_controller_runs_from_the_gateway_image_without_heavy_imports() -> N
         package, _, rest = module.partition(".")
         assert package in ("exporter", "training"), f"{module} would load in the gateway image"
         assert f"{package}/{rest or '__init__'}.py" in copied, f"{module} is not copied into the image"
+
+
+def _stub(bin_dir: Path, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+
+
+@pytest.fixture()
+def registry_tools(tmp_path: Path) -> tuple[Path, Path]:
+    """A PATH holding stand-ins for docker and crane: they log their arguments, and the registry's
+    answer for an image is a digest derived from its reference (no network, no engine)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    digest = 'printf "sha256:%s\\n" "$(printf %s "$REF" | sha256sum | cut -c1-64)"'
+    _stub(bin_dir, "crane", f'echo "crane $*" >> {log}\nREF="$2"\n{digest}\n')
+    _stub(bin_dir, "docker", f'echo "docker $*" >> {log}\n')
+    return bin_dir, log
+
+
+def _images(args: list[str], path: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": path, "LC_ALL": "C"}
+    return subprocess.run(
+        [sys.executable, str(DEPLOY / "images.py"), *args], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+
+
+def test_make_images_builds_pushes_and_pins_every_image_by_digest(
+    registry_tools: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import hashlib
+
+    bin_dir, log = registry_tools
+    kust = tmp_path / "kustomization.yaml"
+    original = (DEPLOY / "k8s" / "base" / "kustomization.yaml").read_text()
+    kust.write_text(original)
+    res = _images(
+        ["--registry", "reg.example/team/", "--kustomization", str(kust)], f"{bin_dir}:/usr/bin:/bin"
+    )
+    assert res.returncode == 0, res.stderr
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    gateway = f"reg.example/team/skewserve-gateway:{version}"
+    calls = log.read_text().splitlines()
+    assert calls[:2] == [
+        f"docker build --pull -f deploy/gateway.Dockerfile -t {gateway} {ROOT}",
+        f"docker push {gateway}",
+    ]
+    images = yaml.safe_load(kust.read_text())["images"]
+    refs = {i["name"]: f"{i['newName']}:{i['newTag']}" for i in images}
+    assert refs["skewserve-gateway"] == gateway
+    for i in images:  # each digest is the registry's answer for that exact reference
+        ref = refs[i["name"]]
+        assert i["digest"] == "sha256:" + hashlib.sha256(ref.encode()).hexdigest(), i
+        assert f"crane digest {ref}" in calls
+        assert f"{i['name']}" in res.stdout and f"{ref}@{i['digest']}" in res.stdout
+    # the rewrite touched those lines only: every comment of the file survives
+    comments = [ln for ln in original.splitlines() if ln.strip().startswith("#")]
+    assert comments == [ln for ln in kust.read_text().splitlines() if ln.strip().startswith("#")]
+    assert len(kust.read_text().splitlines()) == len(original.splitlines())
+
+
+def test_make_images_says_what_is_missing(registry_tools: tuple[Path, Path], tmp_path: Path) -> None:
+    kust = tmp_path / "kustomization.yaml"
+    kust.write_text((DEPLOY / "k8s" / "base" / "kustomization.yaml").read_text())
+    res = _images(["--registry", "reg.example", "--kustomization", str(kust)], str(tmp_path / "empty"))
+    assert res.returncode == 2
+    assert res.stderr == "make images: docker is needed to build the gateway image (or BUILD=0 to pin only)\n"
+    res = _images(["--registry", "", "--kustomization", str(kust)], str(tmp_path / "empty"))
+    assert res.returncode == 2 and "REGISTRY is empty" in res.stderr
+    # BUILD=0 pins without building, with docker's imagetools where crane is absent
+    bin_dir, log = registry_tools
+    (bin_dir / "crane").unlink()
+    digest = "sha256:" + "a" * 64
+    _stub(
+        bin_dir,
+        "docker",
+        f'echo "docker $*" >> {log}\necho \'{{"mediaType": "index", "digest": "{digest}"}}\'\n',
+    )
+    res = _images(["--registry", "reg.example", "--build", "0", "--kustomization", str(kust)], str(bin_dir))
+    assert res.returncode == 0, res.stderr
+    assert not any(" build " in c or " push " in c for c in log.read_text().splitlines())
+    assert {i["digest"] for i in yaml.safe_load(kust.read_text())["images"]} == {digest}
+    assert (DEPLOY / "k8s" / "base" / "kustomization.yaml").read_text() != kust.read_text()

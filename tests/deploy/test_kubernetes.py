@@ -1,8 +1,11 @@
 """Kubernetes manifests (deploy/k8s: kustomize base + one overlay per region), validated against the
-Kubernetes schema with kubernetes-validate, rendered with `kubectl kustomize` where kubectl exists."""
+Kubernetes schema with kubernetes-validate, rendered with `kubectl kustomize` where kubectl exists.
+The generic policy rules (security, resources, budgets, images) are in test_policy.py; these are the
+project's own contracts between manifests, configs and commands."""
 
 from __future__ import annotations
 
+import re
 import secrets
 import shutil
 import subprocess
@@ -15,7 +18,7 @@ import yaml
 
 from exporter.object_store import ObjectRepository
 from exporter.target import TARGET
-from gateway.config import ConfigError, load_gateway_config
+from gateway.config import ConfigError, TrafficConfig, load_gateway_config
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -42,6 +45,36 @@ def _base_resources() -> list[dict[str, Any]]:
 
 def _by_id(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
     return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def _pod(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    spec: dict[str, Any] = _by_id(docs)[(kind, name)]["spec"]["template"]["spec"]
+    return spec
+
+
+def _render(region: str) -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: rendering skipped; the file-level tests still ran")
+    res = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "overlays" / region)], capture_output=True, text=True, check=False
+    )
+    assert res.returncode == 0, res.stderr
+    return [d for d in yaml.safe_load_all(res.stdout) if d]
+
+
+def _gateway_config(path: Path, tmp: Path) -> Path:
+    """The overlay's gateway config as this checkout's gateway can load it: `traffic.token_file` is
+    the controller-token interface being added to gateway/config.py alongside these manifests;
+    until TrafficConfig has the field, it is dropped here (and
+    test_the_gateway_config_accepts_the_controller_token_file says so as an expected failure)."""
+    if "token_file" in TrafficConfig.model_fields:
+        return path
+    data = yaml.safe_load(path.read_text())
+    data["traffic"].pop("token_file")
+    out = tmp / path.name
+    out.write_text(yaml.safe_dump(data))
+    return out
 
 
 # Custom resources the Kubernetes schema set lacks: validated structurally in test_autoscaling.py.
@@ -72,18 +105,27 @@ def test_triton_waits_for_loading_before_liveness_and_reads_the_repository_from_
     triton = _by_id(_base_resources())[("StatefulSet", "triton")]
     container = triton["spec"]["template"]["spec"]["containers"][0]
     startup = container["startupProbe"]
-    assert startup["httpGet"]["path"] == "/v2/health/ready"
+    # started = serves a model (or the repository holds none): test_triton_pod.py runs the probe
+    assert startup["exec"]["command"][:2] == ["python3", "-c"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # load + warm-up budget
+    assert startup["timeoutSeconds"] >= 5  # an interpreter's start plus two calls, on a busy node
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert "--model-repository=$(MODEL_REPOSITORY)" in container["args"]
-    # Nothing baked in or mounted but the scratch volume Triton copies loaded models into: the
-    # repository itself is object storage.
-    assert [m["name"] for m in container.get("volumeMounts", [])] == ["triton-models"]
-    assert container["envFrom"] == [{"secretRef": {"name": "skewserve-model-store"}}]
+    # Nothing baked in or mounted but scratch: the model copies, /tmp (the root filesystem is
+    # read-only) and the Python backend's shared memory; the repository itself is object storage,
+    # reached with the pod's own identity, never a key from a Secret.
+    assert {m["mountPath"]: m["name"] for m in container["volumeMounts"]} == {
+        "/var/lib/triton-models": "triton-models",
+        "/tmp": "tmp",
+        "/dev/shm": "dshm",
+    }
+    assert "envFrom" not in container
     generators = {g["name"]: g for g in _kustomization(K8S / "base")["configMapGenerator"]}
     literals = dict(lit.split("=", 1) for lit in generators["skewserve-triton"]["literals"])
     assert ObjectRepository.parse(literals["MODEL_REPOSITORY"]).url == "s3://skewserve-models/prod"
     images = {i["name"]: i for i in _kustomization(K8S / "base")["images"]}
     assert f"{images['tritonserver']['newName']}:{images['tritonserver']['newTag']}" == TARGET.image
+    assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", i["digest"]) for i in images.values())
 
 
 def test_triton_starts_empty_and_the_controller_alone_holds_the_model_control_key() -> None:
@@ -91,8 +133,10 @@ def test_triton_starts_empty_and_the_controller_alone_holds_the_model_control_ke
     triton = resources[("StatefulSet", "triton")]["spec"]["template"]["spec"]["containers"][0]
     args = triton["args"]
     assert not any(a.startswith("--load-model") for a in args) and "--strict-readiness=false" in args
-    assert "--http-restricted-api=model-repository:skewserve-control=$(SKEWSERVE_CONTROL_KEY)" in args
-    assert "--grpc-restricted-protocol=model-repository:skewserve-control=$(SKEWSERVE_CONTROL_KEY)" in args
+    # the repository, shared-memory, trace and logging APIs answer the controller's key only
+    control = "model-repository,shared-memory,trace,logging:skewserve-control=$(SKEWSERVE_CONTROL_KEY)"
+    assert f"--http-restricted-api={control}" in args
+    assert f"--grpc-restricted-protocol={control}" in args
     assert "--backend-config=tensorrt,version-compatible=true" in args
     key_ref = {"secretKeyRef": {"name": "skewserve-control", "key": "SKEWSERVE_CONTROL_KEY"}}
     assert {"name": "SKEWSERVE_CONTROL_KEY", "valueFrom": key_ref} in triton["env"]
@@ -110,6 +154,8 @@ def test_triton_starts_empty_and_the_controller_alone_holds_the_model_control_ke
     assert startup["periodSeconds"] * startup["failureThreshold"] == 600
     gateway = resources[("Deployment", "skewserve-gateway")]["spec"]["template"]["spec"]["containers"][0]
     assert "skewserve-control" not in str(gateway)
+    spillover = resources[("Deployment", "skewserve-spillover")]["spec"]["template"]["spec"]
+    assert "skewserve-control" not in str(spillover)
 
 
 def test_pod_disruption_budgets_select_the_pods_they_protect() -> None:
@@ -124,7 +170,18 @@ def test_pod_disruption_budgets_select_the_pods_they_protect() -> None:
         for d in docs
         if d["kind"] == "PodDisruptionBudget"
     }
-    assert budgets == {"triton": pods["triton"], "skewserve-gateway": pods["skewserve-gateway"]}
+    assert budgets == {
+        "triton": pods["triton"],
+        "skewserve-gateway": pods["skewserve-gateway"],
+        "skewserve-spillover": pods["skewserve-spillover"],
+    }
+    # no budget for the two that say why (tests/deploy/policy.py reads the reason)
+    exempt = {
+        d["metadata"]["name"]
+        for d in docs
+        if "pdb-per-workload:" in d["metadata"].get("annotations", {}).get("skewserve.io/policy-exempt", "")
+    }
+    assert exempt == {"skewserve-controller", "redis"}
 
 
 @pytest.mark.parametrize("region", REGIONS)
@@ -136,7 +193,10 @@ def test_overlay_patches_and_replaces_existing_resources_by_name(region: str) ->
     base_generators = {g["name"] for g in _kustomization(K8S / "base")["configMapGenerator"]}
     for gen in kust["configMapGenerator"]:
         assert gen["behavior"] == "replace" and gen["name"] in base_generators, gen
-    for patch_file in kust["patches"]:
+    for inline in (p for p in kust["patches"] if "target" in p):
+        target = inline["target"]
+        assert (target["kind"], target["name"]) in base, f"{region}: inline patch targets nothing"
+    for patch_file in (p for p in kust["patches"] if "path" in p):
         for patch in _docs(overlay / patch_file["path"]):
             target = base.get((patch["kind"], patch["metadata"]["name"]))
             assert target is not None, (
@@ -155,10 +215,11 @@ def test_overlay_patches_and_replaces_existing_resources_by_name(region: str) ->
 
 @pytest.mark.parametrize("region", REGIONS)
 def test_overlay_gateway_config_takes_its_home_region_from_the_environment(
-    region: str, monkeypatch: pytest.MonkeyPatch
+    region: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     overlay = K8S / "overlays" / region
-    config = overlay / "gateway.yaml"
+    config = _gateway_config(overlay / "gateway.yaml", tmp_path)
+    peer = next(r for r in REGIONS if r != region)
     env = {
         p["metadata"]["name"]: {
             e["name"]: e["value"] for e in p["spec"]["template"]["spec"]["containers"][0]["env"]
@@ -166,11 +227,12 @@ def test_overlay_gateway_config_takes_its_home_region_from_the_environment(
         for p in _docs(overlay / "region.yaml")
         if p["kind"] == "Deployment"
     }
-    # the gateway's home region, and the controller reconciling that region's pods only (the other
-    # region's load balancer is no server to load models on)
+    # the gateway's home region, the controller reconciling that region's pods only (the other
+    # region's pods are that region's controller's), and the peer this region spills over to
     assert env == {
         "skewserve-gateway": {"SKEWSERVE_GATEWAY_HOME_REGION": region},
         "skewserve-controller": {"SKEWSERVE_CONTROLLER_REGIONS": region},
+        "skewserve-spillover": {"SPILLOVER_PEER_HOST": f"spillover.{peer}.skewserve.internal"},
     }
     monkeypatch.setenv("SKEWSERVE_GATEWAY_HOME_REGION", region)
     with pytest.raises(ConfigError, match=r"cache\.hmac_secret must be set"):
@@ -179,29 +241,75 @@ def test_overlay_gateway_config_takes_its_home_region_from_the_environment(
         monkeypatch.setenv(k, v)
     cfg = load_gateway_config(config)
     assert cfg.home_region == region and sorted(r.name for r in cfg.regions) == REGIONS
+    egress = {
+        p["name"]: p["port"]
+        for d in _base_resources()
+        if (d["kind"], d["metadata"]["name"]) == ("Service", "skewserve-spillover-egress")
+        for p in d["spec"]["ports"]
+    }
     for r in cfg.regions:
-        hosts = {s.http.rsplit(":", 1)[0] for s in r.servers}
         if r.name == region:  # local pods discovered from the Triton Service's EndpointSlices
-            assert hosts == set() and r.discover is not None and r.discover.endpointslices is not None
+            assert not r.servers and r.discover is not None and r.discover.endpointslices is not None
             assert r.discover.endpointslices.service == "triton"
             assert r.discover.endpointslices.namespace is None  # the pod's own: where the Role grants
-        else:  # another cluster: an address that resolves across clusters
-            assert hosts == {f"triton.{r.name}.skewserve.internal"}, hosts
-    spill = _by_id(_docs(overlay / "region.yaml"))[("Service", "triton-spillover")]["metadata"]["annotations"]
-    assert spill["external-dns.alpha.kubernetes.io/hostname"] == f"triton.{region}.skewserve.internal"
-    assert spill["service.beta.kubernetes.io/aws-load-balancer-scheme"] == "internal"
+        else:  # the peer region, through this region's spill-over proxy: never the peer's Triton
+            host = "skewserve-spillover-egress.skewserve.svc.cluster.local"
+            assert [(s.http, s.grpc) for s in r.servers] == [
+                (f"{host}:{egress['http']}", f"{host}:{egress['grpc']}")
+            ]
+    # this region's internal load balancer, under the name the peer's proxy dials
+    spill = _by_id(_docs(overlay / "region.yaml"))[("Service", "skewserve-spillover")]
+    assert spill["metadata"]["annotations"] == {
+        "external-dns.alpha.kubernetes.io/hostname": f"spillover.{region}.skewserve.internal"
+    }
+
+
+def test_the_two_regions_dial_each_others_spillover_names() -> None:
+    """Each region's SPILLOVER_PEER_HOST is the name the other region publishes (external-dns)."""
+    published, dialled = {}, {}
+    for region in REGIONS:
+        ids = _by_id(_docs(K8S / "overlays" / region / "region.yaml"))
+        svc = ids[("Service", "skewserve-spillover")]["metadata"]["annotations"]
+        published[region] = svc["external-dns.alpha.kubernetes.io/hostname"]
+        proxy = ids[("Deployment", "skewserve-spillover")]["spec"]["template"]["spec"]["containers"][0]
+        dialled[region] = proxy["env"][0]["value"]
+    assert len(REGIONS) == 2  # one peer per region: spillover-haproxy.cfg has one peer backend pair
+    for region in REGIONS:
+        (peer,) = [r for r in REGIONS if r != region]
+        assert dialled[region] == published[peer]
 
 
 @pytest.mark.parametrize("region", REGIONS)
-def test_rendered_overlay_is_valid_kubernetes(region: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: rendering skipped; the file-level tests above still ran")
-    res = subprocess.run(
-        [kubectl, "kustomize", str(K8S / "overlays" / region)], capture_output=True, text=True, check=False
-    )
-    assert res.returncode == 0, res.stderr
-    docs = [d for d in yaml.safe_load_all(res.stdout) if d]
+def test_the_gateway_reaches_its_controller_with_the_mounted_token(region: str) -> None:
+    """traffic.controller_url names the controller Service's port; traffic.token_file lies in the
+    mount of the Secret skewserve-gateway-controller-token (key `token`); no cold_start, because
+    no placement is configured for the controller."""
+    data = yaml.safe_load((K8S / "overlays" / region / "gateway.yaml").read_text())
+    assert "cold_start" not in data
+    assert "--placement" not in str(_by_id(_base_resources())[("Deployment", "skewserve-controller")])
+    ids = _by_id(_base_resources())
+    service = ids[("Service", "skewserve-controller")]["spec"]
+    (port,) = service["ports"]
+    assert data["traffic"]["controller_url"] == f"http://skewserve-controller:{port['port']}"
+    pod = _pod(_base_resources(), "Deployment", "skewserve-gateway")
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    volume = next(v for v in pod["volumes"] if v["name"] == "controller-token")
+    assert volume["secret"]["secretName"] == "skewserve-gateway-controller-token"
+    assert data["traffic"]["token_file"] == f"{mounts['controller-token']}/token"
+
+
+@pytest.mark.xfail(
+    "token_file" not in TrafficConfig.model_fields,
+    reason="gateway/config.py's TrafficConfig has no token_file yet (being added with the controller's tokens)",
+    strict=True,
+)
+def test_the_gateway_config_accepts_the_controller_token_file() -> None:
+    assert "token_file" in TrafficConfig.model_fields
+
+
+@pytest.mark.parametrize("region", REGIONS)
+def test_rendered_overlay_is_valid_kubernetes(region: str) -> None:
+    docs = _render(region)
     for doc in docs:
         _validate(doc)
     ids = _by_id(docs)
@@ -216,7 +324,19 @@ def test_rendered_overlay_is_valid_kubernetes(region: str, monkeypatch: pytest.M
     rendered_config = ids[("ConfigMap", config_map)]["data"]["gateway.yaml"]
     assert rendered_config == (K8S / "overlays" / region / "gateway.yaml").read_text()
     triton = ids[("StatefulSet", "triton")]["spec"]["template"]["spec"]["containers"][0]
-    assert triton["image"] == TARGET.image
+    assert re.fullmatch(re.escape(TARGET.image) + r"@sha256:[0-9a-f]{64}", triton["image"]), triton["image"]
+    controller = ids[("Deployment", "skewserve-controller")]["spec"]["template"]["spec"]
+    fleet = ids[("ConfigMap", controller["volumes"][0]["configMap"]["name"])]["data"]["fleet.yaml"]
+    assert fleet == (K8S / "overlays" / region / "controller-fleet.yaml").read_text()
+    proxy = ids[("Deployment", "skewserve-spillover")]["spec"]["template"]["spec"]
+    haproxy = ids[("ConfigMap", proxy["volumes"][0]["configMap"]["name"])]["data"]["haproxy.cfg"]
+    assert haproxy == (K8S / "base" / "spillover-haproxy.cfg").read_text()
+    # the load balancer takes the peer's network only, which is also all the proxy may dial
+    (peer_cidr,) = ids[("Service", "skewserve-spillover")]["spec"]["loadBalancerSourceRanges"]
+    egress = ids[("NetworkPolicy", "skewserve-spillover")]["spec"]["egress"]
+    assert [rule["to"] for rule in egress if "ipBlock" in rule["to"][0]] == [
+        [{"ipBlock": {"cidr": peer_cidr}}]
+    ]
     assert all(d["metadata"].get("namespace") == "skewserve" for d in docs if d["kind"] != "Namespace")
     assert all(d["metadata"]["labels"]["skewserve.io/region"] == region for d in docs)
 
@@ -248,24 +368,45 @@ def test_gateway_service_account_may_list_and_watch_endpointslices_and_nothing_e
     assert "triton" in services  # the service the overlays' discover.endpointslices.service names
 
 
-def test_readme_creates_every_secret_the_manifests_reference() -> None:
-    readme = (ROOT / "README.md").read_text()
+def _secret_refs(docs: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    """(Secret, key) of every env reference, and (Secret, "") of every mounted Secret."""
     refs: set[tuple[str, str]] = set()
-    for doc in _base_resources():
-        for c in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+    for doc in docs:
+        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for c in spec.get("containers", []):
             refs |= {
                 (e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
                 for e in c.get("env", [])
                 if "secretKeyRef" in e.get("valueFrom", {})
             }
             refs |= {(s["secretRef"]["name"], "") for s in c.get("envFrom", []) if "secretRef" in s}
-    assert refs, "the manifests reference no Secret"
+        refs |= {(v["secret"]["secretName"], "") for v in spec.get("volumes", []) if "secret" in v}
+    return refs
+
+
+def test_the_deploy_readme_creates_every_secret_the_manifests_reference() -> None:
+    """deploy/README.md's per-region commands create each Secret with the keys the pods read, and no
+    bucket key: the pods reach the bucket by workload identity."""
+    guide = (ROOT / "deploy" / "README.md").read_text()
+    refs = _secret_refs(_base_resources())
+    assert {name for name, _ in refs} == {
+        "skewserve-gateway",
+        "skewserve-control",
+        "skewserve-redis",
+        "skewserve-gateway-tls",
+        "skewserve-gateway-controller-token",
+        "skewserve-controller-tokens",
+        "skewserve-spillover-tls",
+    }
     for name, key in refs:
-        assert f"create secret generic {name}" in readme, name
+        assert re.search(rf"create secret (generic|tls) {name}\b", guide), name
         if key:
-            assert f"--from-literal={key}=" in readme, key
-    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        assert f"--from-literal={key}=" in readme
+            assert f"--from-literal={key}=" in guide, key
+    # the gateway's token (key `token`) and the controller's directory of them (a key per caller)
+    assert "create secret generic skewserve-gateway-controller-token --from-literal=token=" in guide
+    assert "--from-literal=gateway-us-east=" in guide
+    for forbidden in ("AWS_SECRET_ACCESS_KEY", "skewserve-model-store"):
+        assert forbidden not in guide, forbidden
 
 
 def test_redis_needs_a_password_and_only_gateways_reach_it_or_the_ops_port() -> None:
@@ -288,7 +429,7 @@ def test_redis_needs_a_password_and_only_gateways_reach_it_or_the_ops_port() -> 
     names = [e["name"] for e in gateway["containers"][0]["env"]]
     assert names.index("REDIS_PASSWORD") < names.index("SKEWSERVE_GATEWAY_CACHE__REDIS_URL")
     assert env["SKEWSERVE_GATEWAY_CACHE__REDIS_URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@redis.")
-    policy = ids[("NetworkPolicy", "redis-from-gateways")]["spec"]
+    policy = ids[("NetworkPolicy", "redis")]["spec"]
     assert policy["podSelector"]["matchLabels"] == {"app": "redis"}
     assert policy["ingress"] == [
         {
@@ -296,7 +437,7 @@ def test_redis_needs_a_password_and_only_gateways_reach_it_or_the_ops_port() -> 
             "ports": [{"port": 6379, "protocol": "TCP"}],
         }
     ]
-    ingress = ids[("NetworkPolicy", "skewserve-gateway-ingress")]["spec"]["ingress"]
+    ingress = ids[("NetworkPolicy", "skewserve-gateway")]["spec"]["ingress"]
     open_ports = {p["port"] for rule in ingress if "from" not in rule for p in rule["ports"]}
     scraped = [rule for rule in ingress if "from" in rule]
     assert open_ports == {8080, 8081}  # the public ports; the ops port only from scrapers
@@ -319,7 +460,7 @@ def test_the_gateway_serves_tls_from_the_certificate_secret() -> None:
     service = ids[("Service", "skewserve-gateway")]["spec"]
     assert service["externalTrafficPolicy"] == "Local"  # per-source bounds see clients, not nodes
     assert {p["name"] for p in service["ports"]} == {"http", "grpc"}  # never the ops port
-    assert "create secret tls skewserve-gateway-tls" in (ROOT / "README.md").read_text()
+    assert "create secret tls skewserve-gateway-tls" in (ROOT / "deploy" / "README.md").read_text()
 
 
 def test_pod_monitors_give_the_job_labels_the_alerts_and_compose_use() -> None:
@@ -341,13 +482,12 @@ def test_pod_monitors_give_the_job_labels_the_alerts_and_compose_use() -> None:
         for endpoint in spec["podMetricsEndpoints"]:
             assert endpoint["port"] in ports, (monitor["metadata"]["name"], endpoint)
         jobs.add(pods["spec"]["template"]["metadata"]["labels"]["app"])
-    assert jobs == {"triton", "skewserve-gateway"}
+    assert jobs == {"triton", "skewserve-gateway", "skewserve-controller", "skewserve-spillover"}
     compose = yaml.safe_load((ROOT / "deploy" / "compose" / "prometheus.yml").read_text())
-    assert {j["job_name"] for j in compose["scrape_configs"]} == jobs
-    import re
-
-    rules = (ROOT / "deploy" / "prometheus" / "rules.yml").read_text()
-    for pattern in re.findall(r'job=~"([^"]+)"', rules):
+    # compose runs no controller API and no second region
+    assert {j["job_name"] for j in compose["scrape_configs"]} == {"triton", "skewserve-gateway"}
+    rules = "".join(p.read_text() for p in (ROOT / "deploy" / "prometheus").glob("*rules.yml"))
+    for pattern in re.findall(r'job=~?"([^"]+)"', rules):
         assert any(re.fullmatch(pattern, job) for job in jobs), (
             f"alert selector job=~{pattern!r} matches no job"
         )
@@ -365,9 +505,133 @@ def test_triton_copies_models_from_the_bucket_onto_a_sized_volume() -> None:
 
 
 @pytest.mark.parametrize("region", REGIONS)
-def test_the_controller_reads_its_regions_servers_without_the_gateways_secrets(region: str) -> None:
+def test_the_controller_reads_every_pod_of_its_region_started_or_not(region: str) -> None:
+    """Its fleet is the `triton-control` Service, which lists pods before their startupProbe passes
+    (they need the controller's loads to pass it); the gateways' `triton` Service lists ready ones."""
     from controller.fleet import fleet_config
 
-    fleet = fleet_config(K8S / "overlays" / region / "gateway.yaml")  # no secret in the environment
-    local = next(r for r in fleet.regions if r.name == region)
-    assert local.discover is not None and local.discover.endpointslices is not None
+    fleet = fleet_config(K8S / "overlays" / region / "controller-fleet.yaml")
+    (local,) = fleet.regions
+    assert local.name == region and local.discover is not None and local.discover.endpointslices is not None
+    ids = _by_id(_base_resources())
+    control = ids[("Service", local.discover.endpointslices.service)]["spec"]
+    gateways = ids[("Service", "triton")]["spec"]
+    assert control["publishNotReadyAddresses"] is True and gateways["publishNotReadyAddresses"] is False
+    assert control["selector"] == gateways["selector"] == {"app": "triton"}
+    # the EndpointSlice port names discovery reads (discover.endpointslices.*_port_name)
+    assert {p["name"] for p in control["ports"]} >= {"http", "grpc"}
+
+
+def test_the_controller_runs_two_replicas_and_only_the_leader_serves() -> None:
+    """The interface the controller is built to: --listen, --tokens-dir, --leader-election; /healthz
+    for liveness, /readyz (leader) for readiness, so the Service sends gateways to the leader."""
+    ids = _by_id(_base_resources())
+    deployment = ids[("Deployment", "skewserve-controller")]
+    spec = deployment["spec"]
+    assert spec["replicas"] == 2 and spec["strategy"]["type"] == "RollingUpdate"
+    # the follower never turns ready while the leader lives: a rollout may take both old replicas
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == spec["replicas"]
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert "--listen=0.0.0.0:8090" in args and "--leader-election" in args
+    tokens = next(a.split("=", 1)[1] for a in args if a.startswith("--tokens-dir="))
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volume = next(v for v in pod["volumes"] if v["name"] == mounts[tokens])
+    assert volume["secret"]["secretName"] == "skewserve-controller-tokens"
+    (port,) = container["ports"]
+    assert port == {"name": "api", "containerPort": 8090}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "api"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "api"}
+    (service_port,) = ids[("Service", "skewserve-controller")]["spec"]["ports"]
+    assert (service_port["port"], service_port["targetPort"]) == (8090, "api")
+    monitor = ids[("PodMonitor", "skewserve-controller")]["spec"]["podMetricsEndpoints"]
+    assert monitor == [{"port": "api", "path": "/metrics", "interval": "15s"}]
+    # its own account: EndpointSlices read, as the gateway's, and nothing else in the cluster
+    assert pod["serviceAccountName"] == "skewserve-controller"
+    binding = ids[("RoleBinding", "skewserve-controller-discovery")]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "skewserve-controller", "namespace": "skewserve"}
+    ]
+    role = ids[("Role", binding["roleRef"]["name"])]
+    assert role["rules"] == ids[("Role", "skewserve-gateway-discovery")]["rules"]
+
+
+def _allowed_from(policies: list[dict[str, Any]], target: dict[str, str]) -> set[tuple[str, int]]:
+    """(caller, port) pairs the NetworkPolicies admit into pods labelled `target`; a caller is its
+    `app` label, "scraper", or "anywhere"."""
+    from tests.deploy.policy import selects
+
+    out: set[tuple[str, int]] = set()
+    for p in policies:
+        if not p["spec"]["podSelector"] or not selects(p["spec"]["podSelector"], target):
+            continue
+        for rule in p["spec"].get("ingress", []):
+            callers = [
+                "scraper"
+                if "skewserve.io/scraper" in f.get("podSelector", {}).get("matchLabels", {})
+                else f["podSelector"]["matchLabels"]["app"]
+                for f in rule.get("from", [])
+            ] or ["anywhere"]
+            out |= {(c, port["port"]) for c in callers for port in rule["ports"]}
+    return out
+
+
+def test_triton_is_reachable_only_from_the_gateways_controller_spillover_proxy_and_scrapers() -> None:
+    docs = _base_resources()
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    deny = _by_id(docs)[("NetworkPolicy", "default-deny")]["spec"]
+    assert deny == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
+    assert _allowed_from(policies, {"app": "triton"}) == {
+        ("skewserve-gateway", 8000),
+        ("skewserve-gateway", 8001),
+        ("skewserve-spillover", 8000),
+        ("skewserve-spillover", 8001),
+        ("skewserve-controller", 8000),
+        ("scraper", 8002),
+    }
+    assert _allowed_from(policies, {"app": "skewserve-controller"}) == {
+        ("skewserve-gateway", 8090),
+        ("scraper", 8090),
+    }
+    # the other regions arrive only on the mutual-TLS ports; the plain ones are this region's gateways'
+    assert _allowed_from(policies, {"app": "skewserve-spillover"}) == {
+        ("anywhere", 8443),
+        ("anywhere", 8444),
+        ("skewserve-gateway", 8000),
+        ("skewserve-gateway", 8001),
+        ("scraper", 8404),
+    }
+    services = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Service"}
+    exposed = {n: s for n, s in services.items() if s.get("type") == "LoadBalancer"}
+    assert set(exposed) == {"skewserve-gateway", "skewserve-spillover"}
+    assert {p["port"] for p in exposed["skewserve-spillover"]["ports"]} == {8443, 8444}
+
+
+@pytest.mark.parametrize("region", REGIONS)
+def test_termination_grace_covers_prestop_and_each_drain(region: str, tmp_path: Path) -> None:
+    """Gateway: preStop, then drain.grace_s not-ready, then up to drain.timeout_s for in-flight
+    requests, all inside the grace period. Triton: preStop, then --exit-timeout-secs."""
+    from tests.deploy.policy import _prestop_seconds
+
+    docs = _base_resources()
+    cfg = yaml.safe_load((K8S / "overlays" / region / "gateway.yaml").read_text())
+    gateway = _pod(docs, "Deployment", "skewserve-gateway")
+    need = _prestop_seconds(gateway["containers"][0]) + cfg["drain"]["grace_s"] + cfg["drain"]["timeout_s"]
+    assert gateway["terminationGracePeriodSeconds"] > need
+    triton = _pod(docs, "StatefulSet", "triton")
+    exit_timeout = next(
+        int(a.split("=")[1]) for a in triton["containers"][0]["args"] if a.startswith("--exit-timeout-secs=")
+    )
+    assert triton["terminationGracePeriodSeconds"] > _prestop_seconds(triton["containers"][0]) + exit_timeout
+
+
+def test_triton_shared_memory_fits_the_python_backend_as_on_one_host() -> None:
+    """The same /dev/shm as compose's shm_size (1 GB), inside the memory limit it is charged to."""
+    from tests.deploy.policy import quantity
+
+    pod = _pod(_base_resources(), "StatefulSet", "triton")
+    (dshm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert dshm["emptyDir"]["medium"] == "Memory" and quantity(dshm["emptyDir"]["sizeLimit"]) >= 10**9
+    compose = yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())
+    assert compose["services"]["triton"]["shm_size"] == "1gb"
