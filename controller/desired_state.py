@@ -75,6 +75,9 @@ class Canary(BaseModel):
     heartbeat: float = 0.0
     # regions whose controller found every one of its servers passed (one controller per region)
     regions_done: list[str] = Field(default_factory=list)
+    # regions that must all be done before promotion, fixed when the canary starts so that every
+    # region's controller holds the same bar (empty: the regions the deciding controller sees)
+    regions: list[str] = Field(default_factory=list)
 
     def held_by_other(self, me: str, lease_s: float, now: float) -> bool:
         return bool(self.owner) and self.owner != me and now - self.heartbeat < lease_s
@@ -137,7 +140,12 @@ class DesiredState(BaseModel):
         return nxt
 
     def start_canary(
-        self, version: int, share: float = 0.0, shadow: float = 0.0, gate: TrafficGate | None = None
+        self,
+        version: int,
+        share: float = 0.0,
+        shadow: float = 0.0,
+        gate: TrafficGate | None = None,
+        regions: list[str] | None = None,
     ) -> DesiredState:
         state = self.state_of(version)
         if self.canary is not None and self.canary.version == version:
@@ -152,7 +160,13 @@ class DesiredState(BaseModel):
         if version in self.served:
             raise TransitionError(f"{self.model} version {version} is already promoted")
         nxt = self._next(
-            canary=Canary(version=version, share=share, shadow=shadow, gate=gate or TrafficGate())
+            canary=Canary(
+                version=version,
+                share=share,
+                shadow=shadow,
+                gate=gate or TrafficGate(),
+                regions=sorted(regions or []),
+            )
         )
         nxt.versions[version] = VersionRecord(state="canary")
         nxt.load_failures.pop(version, None)

@@ -406,7 +406,7 @@ class Controller:
                 return
             mine = sorted({s.region for s in eligible})
             marked = self.store.update(model, partial(_region_done, version=canary.version, regions=mine))
-            needed = set(self.cfg.canary_regions or mine)
+            needed = set(canary.regions or self.cfg.canary_regions or mine)
             if marked.canary is None or not needed <= set(marked.canary.regions_done):
                 report.canary.append(
                     f"{model} version {canary.version}: passed in {', '.join(mine)}; waiting for "
@@ -546,8 +546,15 @@ class Controller:
             state = self.store.current(model)
             if state is None or state.canary is None:
                 return state  # type: ignore[return-value]
-            if state.observed and report.servers and set(report.servers) <= set(state.canary.passed):
-                return state  # checked everywhere: the traffic gate is the running controller's
+            elsewhere = set(state.canary.regions) - {s.region for s in self.servers()}
+            if (
+                report.servers
+                and set(report.servers) <= set(state.canary.passed)
+                and (state.observed or elsewhere)
+            ):
+                # checked on every server here: the traffic gate, and the other regions' checks,
+                # are for the running controllers
+                return state
             if not report.servers:
                 raise ControlError(
                     f"no server found to roll {model} version {state.canary.version} onto: check the "

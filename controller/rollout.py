@@ -91,13 +91,18 @@ def rollout(
     shadow: float = 0.0,
     gate: TrafficGate | None = None,
     wait_s: float = 0.0,
+    regions: list[str] | None = None,
 ) -> RolloutResult:
     """Canary `version` on every server, then promote it; RolloutError (servers back on the served
     versions) when a server refuses it.
 
     With a traffic `share` or `shadow`, the version is promoted by the running controller once its
     traffic gate passes on the gateways' reports: this returns when every server passed its check
-    (`observing` set), or, with `wait_s`, when the gate decided (or the wait ran out)."""
+    (`observing` set), or, with `wait_s`, when the gate decided (or the wait ran out).
+
+    With `regions`, each of those regions' controllers must find all its servers passed before the
+    version is promoted (the regions are kept in the canary record, so every controller holds it);
+    this returns (`observing`) once the servers it found passed and other regions are pending."""
     controller = Controller(store, servers, key, cfg, models=lambda: [model])
     if not servers():
         raise RolloutError(
@@ -112,7 +117,15 @@ def rollout(
         if state.canary is None or state.canary.version != version:
             _check_plans(controller, model, version)
         store.update(
-            model, partial(DesiredState.start_canary, version=version, share=share, shadow=shadow, gate=gate)
+            model,
+            partial(
+                DesiredState.start_canary,
+                version=version,
+                share=share,
+                shadow=shadow,
+                gate=gate,
+                regions=regions,
+            ),
         )
         final = controller.settle(model)
         if final.canary is not None:

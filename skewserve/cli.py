@@ -748,10 +748,17 @@ def rollout_command(
     wait: float = typer.Option(
         0.0, "--wait", min=0.0, help="With --share/--shadow: seconds to wait for the controller's verdict."
     ),
+    canary_regions: str | None = typer.Option(
+        None,
+        "--canary-regions",
+        help="Regions whose servers must all pass before promotion, kept in the canary record so every "
+        "region's controller holds it; default with --config: every region the config names.",
+    ),
 ) -> None:
     """Canary a published version on every server (one by one), then promote it in the model's
     desired state; on a failure every server goes back to the promoted version. With --share or
-    --shadow, the running controller promotes it once the gateways' traffic passes its gate."""
+    --shadow, the running controller promotes it once the gateways' traffic passes its gate; with
+    several regions, once every region's controller found all its servers passed."""
     from controller.config import ControllerConfig
     from controller.desired_state import TrafficGate
     from controller.errors import RolloutError
@@ -775,12 +782,33 @@ def rollout_command(
                 max_p99_ratio=max_p99_ratio,
                 max_wait_s=gate_wait,
             )
-            result = rollout(store, name, version, found, key, cfg, share, shadow, gate, wait)
-        except RolloutError as exc:
+            result = rollout(
+                store,
+                name,
+                version,
+                found,
+                key,
+                cfg,
+                share,
+                shadow,
+                gate,
+                wait,
+                regions=rollout_regions(canary_regions, config, log_dir),
+            )
+        except (RolloutError, ValueError) as exc:
             error(exc, label="rollout failed")
             raise typer.Exit(1) from exc
     for step in result.steps:
         say(step)
+    canary = result.state.canary
+    pending = sorted(set(canary.regions) - set(canary.regions_done)) if canary is not None else []
+    if result.observing and pending and not (share or shadow):
+        say(
+            f"{name} version {version} passed its check on every server found here; it is promoted once "
+            f"the controllers of {', '.join(pending)} find all their servers passed "
+            f"(see `skewserve canary {name}`); a region whose controller is down holds it"
+        )
+        return
     if result.observing:
         say(
             f"{name} version {version} passed its check on every server; it answers {share:.0%} of clients "
@@ -1002,6 +1030,17 @@ def controller_command(
         wait_for_interrupt()
     finally:
         thread.stop()
+
+
+def rollout_regions(canary_regions: str | None, config: Path | None, log_dir: Path) -> list[str] | None:
+    """The regions a canary must pass: the option's, else every region of --config (a region whose
+    controller is down then holds the canary), else none named (the servers given)."""
+    if canary_regions is not None:
+        return [r.strip() for r in canary_regions.split(",") if r.strip()]
+    if config is None:
+        return None
+    gw, _, _ = rollout_targets(config, log_dir)
+    return sorted(r.name for r in gw.regions)
 
 
 def controller_tokens(host: str, tokens_dir: Path | None) -> Any:
