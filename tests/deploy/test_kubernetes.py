@@ -635,3 +635,49 @@ def test_triton_shared_memory_fits_the_python_backend_as_on_one_host() -> None:
     assert dshm["emptyDir"]["medium"] == "Memory" and quantity(dshm["emptyDir"]["sizeLimit"]) >= 10**9
     compose = yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())
     assert compose["services"]["triton"]["shm_size"] == "1gb"
+
+
+def _documented_rollouts() -> list[tuple[str, list[str]]]:
+    """Every in-cluster `skewserve rollout` the READMEs show: (file, its arguments after `skewserve`)."""
+    import shlex
+
+    found = []
+    for doc in (ROOT / "README.md", ROOT / "deploy" / "README.md"):
+        text = doc.read_text().replace("\\\n", " ")
+        for line in text.splitlines():
+            if "exec deploy/skewserve-controller -- skewserve rollout" in line:
+                words = shlex.split(line.split("#", 1)[0])
+                found.append((str(doc.relative_to(ROOT)), words[words.index("--") + 2 :]))
+    return found
+
+
+def test_the_in_cluster_rollout_is_documented_as_the_servers_run() -> None:
+    """The command parses against the real CLI (nothing runs) and matches the manifests: plans built
+    version-compatible accepted, a load given the pods' start-up budget, the controller's own fleet
+    file and the repository the pods read."""
+    import typer
+
+    from skewserve.cli import app
+
+    documented = _documented_rollouts()
+    assert {name for name, _ in documented} == {"README.md", "deploy/README.md"}
+    cli = typer.main.get_command(app)
+    docs = _base_resources()
+    triton = _pod(docs, "StatefulSet", "triton")["containers"][0]
+    controller = _pod(docs, "Deployment", "skewserve-controller")["containers"][0]
+    startup = triton["startupProbe"]["periodSeconds"] * triton["startupProbe"]["failureThreshold"]
+    config = next(a.split("=", 1)[1] for a in controller["args"] if a.startswith("--config="))
+    literals = dict(
+        lit.split("=", 1)
+        for g in _kustomization(K8S / "base")["configMapGenerator"]
+        for lit in g.get("literals", [])
+    )
+    for name, args in documented:
+        rollout = cli.get_command(cli.make_context("skewserve", [args[0]], resilient_parsing=True), args[0])
+        assert rollout is not None and args[0] == "rollout"
+        params = rollout.make_context("rollout", args[1:]).params  # an unknown flag raises here
+        assert "--backend-config=tensorrt,version-compatible=true" in triton["args"]
+        assert params["version_compatible"] is True, name
+        assert params["load_timeout"] == startup, name
+        assert str(params["config"]) == config and params["regions"] in REGIONS, name
+        assert params["repo"] == literals["MODEL_REPOSITORY"], name

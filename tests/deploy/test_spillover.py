@@ -331,7 +331,9 @@ def test_the_peer_port_answers_only_a_certificate_of_the_spillover_ca(spill: Cro
                 raise ConnectionResetError("closed without an answer")
 
 
-def test_the_sending_side_refuses_a_peer_that_is_not_the_name_it_dials(spill: CrossRegion, tmp_path: Path) -> None:
+def test_the_sending_side_refuses_a_peer_that_is_not_the_name_it_dials(
+    spill: CrossRegion, tmp_path: Path
+) -> None:
     """Region A checks the server's name too: a load balancer answering with another region's
     certificate (or a stranger's) gets no request."""
     impostor = Region("us-east", spill.tls["us-east"])
