@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 MAX_BODY = 4096
 MAX_REPORT_BODY = 4 << 20
 MODELS_TTL_S = 5.0
+CALLER = web.RequestKey("caller", str)
 MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 
@@ -106,7 +107,7 @@ class DemandApi:
             caller = found
         if not self.thread.leading:
             return self._answer(503, "standby", "this controller replica is a standby; ask the leader")
-        request["caller"] = caller
+        request[CALLER] = caller
         return await handler(request)
 
     async def healthz(self, _request: web.Request) -> web.Response:
@@ -190,7 +191,7 @@ class DemandApi:
         plans = controller.traffic_plans
         running = {m: (int(p["canary"]), float(p["started"])) for m, p in plans.items()}
         try:
-            controller.traffic.add(report, request["caller"], running)
+            controller.traffic.add(report, request[CALLER], running)
         except ReportRefused as exc:
             return self._answer(429, "refused", str(exc))
         return web.json_response({"models": plans})

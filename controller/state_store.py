@@ -99,6 +99,9 @@ class StateStore(ABC):
     def write_record(self, name: str, data: bytes, token: object) -> None:
         """Write if nobody wrote since `token` was read (None: only if absent); StateConflict otherwise."""
 
+    @abstractmethod
+    def remove_record(self, name: str) -> None: ...
+
     # -- shared logic --------------------------------------------------------------------------
     def current(self, model: str) -> DesiredState | None:
         """The record, adopting a model published before desired state existed (written once)."""
@@ -243,6 +246,10 @@ class DiskStateStore(StateStore):
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
+    def remove_record(self, name: str) -> None:
+        (self.root / record_file(name)).unlink(missing_ok=True)
+        (self.root / f"{record_file(name)}.lock").unlink(missing_ok=True)
+
     def remove_version(self, model: str, version: int) -> None:
         """Rename aside first (readers then never see half a folder), then delete."""
         from exporter.publish import STAGING_PREFIX, model_lock
@@ -260,11 +267,11 @@ class DiskStateStore(StateStore):
 
 class ObjectStateStore(StateStore):
     def __init__(self, url: str, client: Any | None = None) -> None:
-        from exporter.object_store import ObjectRepository, s3_client
+        from exporter.object_store import ObjectRepository
 
         self.repo = ObjectRepository.parse(url)
         self.url = self.repo.url
-        self.client = client or s3_client()
+        self.client = client or self.repo.client()
 
     def models(self) -> list[str]:
         prefix = self.repo.key("") if self.repo.prefix else ""
@@ -368,6 +375,9 @@ class ObjectStateStore(StateStore):
             if _error_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
                 raise StateConflict(f"{self.url}/{record_file(name)} changed since it was read") from exc
             raise
+
+    def remove_record(self, name: str) -> None:
+        self.client.delete_object(Bucket=self.repo.bucket, Key=self.repo.key(record_file(name)))
 
     def version_bytes(self, model: str, version: int) -> int:
         total = 0

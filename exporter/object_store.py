@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 SCHEME = "s3://"
+ENDPOINT = re.compile(r"[0-9A-Za-z.-]+:[0-9]{1,5}")
 CLAIMS = ".publish/claims"
 MAX_CLAIM_ATTEMPTS = 64
 # Model-level files in commit order: config.pbtxt last, it is what makes a version current.
@@ -57,40 +59,67 @@ def is_object_store_url(repo: object) -> bool:
 
 @dataclass(frozen=True)
 class ObjectRepository:
-    """`s3://bucket/prefix`: a Triton model repository under `prefix` in `bucket`."""
+    """`s3://bucket/prefix`: a Triton model repository under `prefix` in `bucket`; or, as Triton
+    names a non-AWS store, `s3://host:port/bucket/prefix` (HTTP) and `s3://https://host:port/...`."""
 
     bucket: str
     prefix: str  # without leading or trailing '/', may be empty
+    endpoint: str | None = None  # e.g. http://minio:9000; None: the AWS SDK's own (environment)
 
     @classmethod
     def parse(cls, url: str) -> ObjectRepository:
         if not url.startswith(SCHEME):
             raise PublishError(f"object-store repository {url!r} must start with {SCHEME}")
-        bucket, _, prefix = url.removeprefix(SCHEME).partition("/")
+        rest = url.removeprefix(SCHEME)
+        scheme, explicit = "http", False
+        for given in ("http://", "https://"):
+            if rest.startswith(given):
+                scheme, rest, explicit = given.removesuffix("://"), rest.removeprefix(given), True
+        endpoint = None
+        first, _, after = rest.partition("/")
+        if ENDPOINT.fullmatch(first):  # host:port, Triton's form for S3-compatible stores
+            endpoint, rest = f"{scheme}://{first}", after
+        elif explicit:
+            raise PublishError(
+                f"{url!r}: after s3://{scheme}:// Triton expects host:port/bucket/prefix (a port is needed)"
+            )
+        bucket, _, prefix = rest.partition("/")
         if not bucket or ":" in bucket:
             raise PublishError(
-                f"{url!r} names no bucket: use s3://BUCKET/PREFIX and put a non-AWS endpoint in "
-                "AWS_ENDPOINT_URL_S3 (e.g. http://minio:9000), not in the URL"
+                f"{url!r} names no bucket: use s3://BUCKET/PREFIX (AWS, or the endpoint in "
+                "AWS_ENDPOINT_URL_S3), or s3://HOST:PORT/BUCKET/PREFIX as Triton reads it"
             )
-        return cls(bucket, prefix.strip("/"))
+        return cls(bucket, prefix.strip("/"), endpoint)
 
     @property
     def url(self) -> str:
-        return f"{SCHEME}{self.bucket}/{self.prefix}".rstrip("/")
+        host = ""
+        if self.endpoint is not None:
+            scheme, _, hostport = self.endpoint.partition("://")
+            host = f"{hostport}/" if scheme == "http" else f"{self.endpoint}/"
+        return f"{SCHEME}{host}{self.bucket}/{self.prefix}".rstrip("/")
+
+    def client(self) -> Any:
+        return s3_client(self.endpoint)
 
     def key(self, *parts: str | int) -> str:
         return "/".join([self.prefix, *map(str, parts)] if self.prefix else list(map(str, parts)))
 
 
-def s3_client() -> Any:
-    """A boto3 S3 client; endpoint and credentials from the standard AWS environment."""
+def s3_client(endpoint: str | None = None) -> Any:
+    """A boto3 S3 client; the endpoint given (from an `s3://host:port/...` URL) or the standard AWS
+    environment's, credentials from the standard chain."""
     try:
         import boto3
         from botocore.config import Config
     except ImportError as exc:
         raise PublishError("publishing to s3:// needs boto3: pip install 'skewserve[s3]'") from exc
     # Path-style addressing works with every S3-compatible server (MinIO, Ceph, moto) and with AWS.
-    return boto3.client("s3", config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 5}))
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 5}),
+    )
 
 
 @contextlib.contextmanager
@@ -131,7 +160,7 @@ def _read(client: Any, repo: ObjectRepository, *parts: str | int) -> bytes | Non
 
 def published_versions(repo: ObjectRepository, name: str, client: Any | None = None) -> list[int]:
     """Complete versions of `name`: integer folders that hold their model card (uploaded last)."""
-    client = client or s3_client()
+    client = client or repo.client()
     base = repo.key(name) + "/"
     found = set()
     for key in _keys(client, repo.bucket, base):
@@ -144,7 +173,7 @@ def published_versions(repo: ObjectRepository, name: str, client: Any | None = N
 def read_card(repo: ObjectRepository, name: str, version: int, client: Any | None = None) -> dict[str, Any]:
     """The model card of a published version; PublishError when the version is not complete."""
     with store_errors(repo):
-        data = _read(client or s3_client(), repo, name, version, CARD)
+        data = _read(client or repo.client(), repo, name, version, CARD)
     if data is None:
         raise PublishError(
             f"{name} version {version} is not published in {repo.url} (no {CARD}); export it first"
@@ -245,7 +274,7 @@ def publish_version(
         raise PublishError(
             f"staging folder {staging} has no {CARD}; refusing to publish an incomplete version"
         )
-    client = client or s3_client()
+    client = client or repo.client()
     local_key = f"configs/{LOCAL_PROFILE}.pbtxt"
     if local_key in model_files:
         _check_compatible(client, repo, name, model_files[local_key])
@@ -297,7 +326,7 @@ def export_to_object_store(
 ) -> ExportResult:
     """Run the disk export into a private staging repository, then publish its version to `url`."""
     repo = ObjectRepository.parse(url)
-    client = s3_client()
+    client = repo.client()
     with tempfile.TemporaryDirectory(prefix="skewserve-s3-staging-") as tmp:
         result = export(artifact, Path(tmp), name, **kwargs)
         model_dir = Path(tmp) / name

@@ -967,6 +967,7 @@ def controller_command(
     from controller.fleet import fleet_config
     from controller.runner import ControllerThread
     from controller.state_store import open_store
+    from controller.store_probe import check_conditional_writes
     from gateway.config import ConfigError
 
     _setup_logging(verbose)
@@ -1011,9 +1012,13 @@ def controller_command(
         except ValueError as exc:
             error(exc, label="controller")
             raise typer.Exit(2) from exc
-    thread = ControllerThread(
-        gw, open_store(repo), key, cfg, regions=wanted, leader_election=leader_election
-    ).start()
+    store = open_store(repo)
+    try:
+        check_conditional_writes(store)
+    except Exception as exc:  # unsafe, unreachable or unwritable: the controller must not act on it
+        error(ValueError(f"model repository {repo}: {exc}"), label="controller")
+        raise typer.Exit(2) from exc
+    thread = ControllerThread(gw, store, key, cfg, regions=wanted, leader_election=leader_election).start()
     if listen:
         try:
             bound = thread.serve_demand(host, int(port), tokens)

@@ -76,17 +76,20 @@ class Traffic:
             and self._listed(model, plan.canary)
         ):
             return plan.canary, plan, "canary"
-        if self._listed(model, plan.stable):
-            return plan.stable, plan, "stable"
-        return version, None, None
+        # Pinned even while no server lists the stable version (a reload under way): unpinned,
+        # Triton would answer from its newest loaded version, the candidate.
+        return plan.stable, plan, "stable"
 
     def stable_pin(self, model: str, version: str) -> str:
         """For streams and generate (no share, no shadow): the stable version of a model in canary
-        when the request names none and it is ready somewhere, else the version as sent."""
+        when the request names none, else the version as sent."""
         if version or not self.plans:
             return version
         plan = self.plans.get(model)
-        return plan.stable if plan is not None and self._listed(model, plan.stable) else version
+        return plan.stable if plan is not None else version
+
+    def stable_listed(self, model: str, version: str) -> bool:
+        return self._listed(model, version)
 
     @staticmethod
     def bucket(model: str, client_key: str) -> float:

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from gateway.core import Gateway
 
 A = TypeVar("A")
+STABLE_WAIT_S = 5.0  # a reload's gap (unload, then load) is a second or two on a busy server
 
 
 async def send(gw: Gateway, call: Call, request: Request[A], shared: bool = False) -> A:
@@ -29,9 +30,10 @@ async def send(gw: Gateway, call: Call, request: Request[A], shared: bool = Fals
         )
     except NoReadyServer:
         plan = call.plan
-        if plan is None or call.role != "canary":
+        if plan is None:
             raise
         call.version, call.role = plan.stable, "stable"
+        await stable_listed(gw, call)
         outcome = await gw.send(
             call.model,
             call.version,
@@ -42,6 +44,23 @@ async def send(gw: Gateway, call: Call, request: Request[A], shared: bool = Fals
         )
     call.route = outcome.route
     return outcome.value
+
+
+async def stable_listed(gw: Gateway, call: Call) -> None:
+    """Wait (health rounds, within the deadline and STABLE_WAIT_S) for a server to list the stable
+    version of a model in canary: a reload takes every version down for a moment, and answering
+    unpinned would hand the client the candidate. NoReadyServer, naming it, when none comes."""
+    traffic = gw.traffic
+    assert traffic is not None and call.plan is not None
+    until = min(call.deadline, gw.clock() + STABLE_WAIT_S)
+    while not traffic.stable_listed(call.model, call.version):
+        remaining = until - gw.clock()
+        if remaining <= 0:
+            raise NoReadyServer(
+                f"model {call.model!r} version {call.version} (the stable version while version "
+                f"{call.plan.canary} is in canary) is ready on no server: it is loading; retry"
+            )
+        await gw.health.next_round(remaining)
 
 
 def set_deadline(gw: Gateway, call: Call, request: Request[A] | None) -> None:
