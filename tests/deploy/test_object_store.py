@@ -244,7 +244,7 @@ def test_a_publisher_whose_listing_missed_a_rivals_claim_gets_412_and_takes_the_
             statuses.append(exc.response["ResponseMetadata"]["HTTPStatusCode"])
             raise
 
-    monkeypatch.setattr(object_store, "s3_client", lambda: client)
+    monkeypatch.setattr(object_store, "s3_client", lambda endpoint=None: client)
     monkeypatch.setattr(client, "put_object", recording_put)
     published = export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
     assert statuses == [412] and published.published.version == 3
