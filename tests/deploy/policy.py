@@ -367,6 +367,12 @@ def _policies(objs: list[Obj], ns: str) -> list[Obj]:
     return [o for o in objs if o.get("kind") == "NetworkPolicy" and namespace(o) == ns]
 
 
+def _selects_by_label(policy: Obj) -> bool:
+    """True when the policy's podSelector names labels (it is not the namespace-wide one)."""
+    selector = policy["spec"].get("podSelector") or {}
+    return bool(selector.get("matchLabels") or selector.get("matchExpressions"))
+
+
 def rule_network_default_deny(objs: list[Obj]) -> Iterator[Violation]:
     for ns in sorted({namespace(o) for o in workloads(objs)}):
         deny = [
@@ -384,12 +390,6 @@ def rule_network_default_deny(objs: list[Obj]) -> Iterator[Violation]:
                 "no NetworkPolicy denies all ingress and egress by default (podSelector: {}, "
                 "policyTypes: [Ingress, Egress], no rules)",
             )
-
-
-def _selects_by_label(policy: Obj) -> bool:
-    """True when the policy's podSelector names labels (it is not the namespace-wide one)."""
-    selector = policy["spec"].get("podSelector") or {}
-    return bool(selector.get("matchLabels") or selector.get("matchExpressions"))
 
 
 def rule_network_policy_per_workload(objs: list[Obj]) -> Iterator[Violation]:

@@ -167,6 +167,10 @@ def test_the_base_with_each_clouds_component_passes(cloud: str, tmp_path: Path) 
         yaml.safe_dump({"resources": [f"{rel}/base"], "components": [f"{rel}/components/{cloud}"]})
     )
     docs = policy.render(tmp_path)
+    from tests.deploy.test_kubernetes import _validate
+
+    for doc in docs:  # the Kubernetes 1.32 schema, strict, as for the overlays
+        _validate(doc)
     violations = policy.check(docs)
     assert violations == [], [str(v) for v in violations]
     # no cloud leaves a bucket key in the pods: each reaches the bucket by workload identity
