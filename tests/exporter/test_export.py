@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from exporter.contract import ServingContract
-from exporter.errors import ParityError, PublishError, TensorRTUnavailable
+from exporter.errors import ParityError, PublishError
 from exporter.graph import ServingModule
 from exporter.parity import compare, require, torch_runner
 from exporter.pipeline import export_artifact
@@ -186,12 +187,41 @@ def test_concurrent_exports_take_distinct_versions(small_artifact: Path, tmp_pat
 
 
 def test_tensorrt_on_without_gpu_is_a_clear_error(small_artifact: Path, tmp_path: Path) -> None:
-    reason = tensorrt_unavailable_reason()
-    if reason is None:
-        pytest.skip("a GPU with TensorRT is present; the GPU test covers this machine")
-    with pytest.raises(TensorRTUnavailable, match=f"--tensorrt on, but {reason}"):
-        export_artifact(small_artifact, tmp_path, "m", tensorrt="on")
+    """Run on every host: the export runs with the GPU hidden (CUDA_VISIBLE_DEVICES empty), as on a
+    CPU-only host, so a machine with a GPU tests this path too."""
+    res = subprocess.run(
+        [*_export_cli(small_artifact, tmp_path), "--tensorrt", "on"],
+        capture_output=True,
+        text=True,
+        env=_without_gpu(),
+        timeout=240,
+    )
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert (
+        "error: --tensorrt on, but no CUDA GPU on this machine; use --tensorrt auto or off on this machine"
+        in " ".join(res.stdout.split())
+    ), res.stdout + res.stderr
     assert not (tmp_path / "m").exists() or published_versions(tmp_path / "m") == []
+
+
+def _export_cli(artifact: Path, repo: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "skewserve.cli",
+        "export",
+        "--artifact",
+        str(artifact),
+        "--repo",
+        str(repo),
+        "--name",
+        "m",
+    ]
+
+
+def _without_gpu() -> dict[str, str]:
+    """This environment with every CUDA device hidden from the process (torch then sees none)."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 @pytest.mark.gpu
