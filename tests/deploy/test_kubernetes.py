@@ -681,3 +681,6 @@ def test_the_in_cluster_rollout_is_documented_as_the_servers_run() -> None:
         assert params["load_timeout"] == startup, name
         assert str(params["config"]) == config and params["regions"] in REGIONS, name
         assert params["repo"] == literals["MODEL_REPOSITORY"], name
+        # the canary record must wait for every region, as the controllers do (the fleet file names
+        # one region, which would otherwise be the default)
+        assert f"--canary-regions={params['canary_regions']}" in controller["args"], name
