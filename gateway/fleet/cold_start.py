@@ -72,7 +72,10 @@ class ColdStart:
         """True once some server holds `model` ready; False when the controller does not know the
         model. Overloaded (503, Retry-After) when it cannot be loaded in time or at all."""
         if self.waiting >= self.cfg.max_waiting:
-            raise self._busy(f"{self.waiting} requests already wait for models to load; retry later")
+            raise self._busy(
+                f"{self.waiting} requests already wait for models to load "
+                f"(cold_start.max_waiting is {self.cfg.max_waiting}); retry later"
+            )
         self.waiting += 1
         try:
             if self._unknown.get(model, 0.0) > self.clock():
