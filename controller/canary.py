@@ -4,16 +4,19 @@ answers against the exporter's reference rows (the model card), and the plans ag
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tritonclient.http as httpclient
+from google.protobuf import json_format
 from tritonclient.utils import InferenceServerException
 
 from controller.config import ControllerConfig
 from controller.errors import ControlError
 from controller.triton_admin import LoadFailed, TritonAdmin
 from exporter.contract import INPUT_NAME, NUMPY_DTYPES, PROBABILITIES
+from exporter.triton_config import parse
 
 
 def plan_refusal(admin: TritonAdmin, model: str, card: dict[str, Any], cfg: ControllerConfig) -> str | None:
@@ -48,16 +51,19 @@ def check(
     served: list[int],
     card: dict[str, Any],
     cfg: ControllerConfig,
+    configs: CandidateConfigs | None = None,
 ) -> str:
     """Load and check; return a one-line summary, raise ControlError with the reason on failure.
     The caller puts the server back on the served versions when this raises."""
     refusal = plan_refusal(admin, model, card, cfg)
     if refusal is not None:
         raise ControlError(f"refused before loading: {refusal}")
-    if admin.config(model) is None:
+    loaded = admin.config(model)
+    if loaded is None:
         admin.load(model)  # the served versions first: the override edits the loaded config
+        loaded = admin.config(model) or {}
     started = time.monotonic()
-    admin.load(model, sorted({*served, version}))
+    admin.load(model, sorted({*served, version}), own_config(configs, loaded))
     if not admin.ready(model, version):
         raise LoadFailed(f"{model} version {version} is not ready after its load returned")
     on_gpu = runs_on_gpu(admin.config(model) or {})
@@ -78,6 +84,34 @@ def check(
         f"ready in {time.monotonic() - started:.1f}s, canary max |Δp| {err:.1e} "
         f"(limit {limit:.0e}, {'GPU' if on_gpu else 'CPU'})"
     )
+
+
+@dataclass(frozen=True)
+class CandidateConfigs:
+    """The model-level configs the candidate was published with and those the server runs now
+    (the served version's), by path: the server's profile is the path whose backend it runs."""
+
+    own: dict[str, str]
+    served: dict[str, str]
+
+
+def own_config(configs: CandidateConfigs | None, loaded: dict[str, Any]) -> dict[str, Any] | None:
+    """The candidate's config for the profile the server runs (as Triton's JSON), or None (a
+    version published before configs were kept per version: the loaded config is edited)."""
+    if configs is None or not configs.own:
+        return None
+    running = loaded.get("backend") or loaded.get("platform")
+    profiles = [
+        rel
+        for rel, text in configs.served.items()
+        if rel.endswith(".pbtxt") and (parse(text).backend or parse(text).platform) == running
+    ]
+    if len(profiles) != 1 or profiles[0] not in configs.own:
+        return None
+    own: dict[str, Any] = json_format.MessageToDict(
+        parse(configs.own[profiles[0]]), preserving_proto_field_name=True
+    )
+    return own
 
 
 def canary_inputs(card: dict[str, Any]) -> list[httpclient.InferInput]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from controller.canary import check
+from controller.canary import CandidateConfigs, check
 from controller.config import ControllerConfig
 from controller.demand import DemandTracker, idle_seconds
 from controller.desired_state import DesiredState
@@ -423,6 +423,12 @@ class Controller:
             self.prune(promoted, report)
             return
         card = self.store.card(model, canary.version)
+        configs = CandidateConfigs(
+            self.store.version_configs(model, canary.version),
+            self.store.version_configs(model, max(state.served)) if state.served else {},
+        )
+        if not configs.served:  # the served version predates configs kept per version
+            configs = CandidateConfigs(configs.own, self.store.configs(model))
         for server in pending:
             claimed = self.store.update(
                 model,
@@ -441,7 +447,9 @@ class Controller:
             ):
                 return  # finished elsewhere, or another controller holds the lease
             try:
-                summary = self._check_under_lease(server, model, canary.version, claimed.served, card)
+                summary = self._check_under_lease(
+                    server, model, canary.version, claimed.served, card, configs
+                )
             except ControlError as exc:
                 reason = str(exc)
                 admin = self.admin(server)
@@ -503,6 +511,7 @@ class Controller:
         version: int,
         served: list[int],
         card: dict[str, Any],
+        configs: CandidateConfigs | None = None,
     ) -> str:
         """The canary check, renewing the lease while it runs (a load may outlast the lease)."""
         renew = partial(DesiredState.canary_claimed, me=self.me, server=server.name, lease_s=self.cfg.lease_s)
@@ -512,7 +521,7 @@ class Controller:
             # bound to the thread that first used it and fails once that thread has exited.
             admin = self.admin(server)
             try:
-                return check(admin, model, version, served, card, self.cfg)
+                return check(admin, model, version, served, card, self.cfg, configs)
             finally:
                 admin.close()
 

@@ -81,6 +81,14 @@ class StateStore(ABC):
     def write_config(self, model: str, rel: str, text: str) -> None: ...
 
     @abstractmethod
+    def version_configs(self, model: str, version: int) -> dict[str, str]:
+        """The model-level files (configs, labels) `version` was published with; empty for a
+        version published before they were kept (its configs are the model's own)."""
+
+    @abstractmethod
+    def model_file(self, model: str, rel: str) -> str | None: ...
+
+    @abstractmethod
     def card(self, model: str, version: int) -> dict[str, Any]: ...
 
     @abstractmethod
@@ -148,12 +156,19 @@ class StateStore(ABC):
         return adopted(model, complete, policy_versions(config, complete))
 
     def materialize(self, state: DesiredState) -> None:
-        """Pin every config of the model to the served versions (idempotent)."""
+        """The model-level files of the newest served version (the configs it was published and
+        checked with), every config pinned to the served versions (idempotent)."""
         if not state.served:
             return
-        for rel, text in self.configs(state.model).items():
+        current = self.configs(state.model)
+        own = self.version_configs(state.model, max(state.served))
+        for rel, text in (own or current).items():
+            if not rel.endswith(".pbtxt"):
+                if self.model_file(state.model, rel) != text:
+                    self.write_config(state.model, rel, text)
+                continue
             pinned = pin_versions(text, state.served)
-            if parse(pinned) != parse(text):
+            if rel not in current or parse(pinned) != parse(current[rel]):
                 self.write_config(state.model, rel, pinned)
 
 
@@ -209,6 +224,18 @@ class DiskStateStore(StateStore):
         from exporter.publish import _atomic_write
 
         _atomic_write(self.root / model / rel, text)
+
+    def version_configs(self, model: str, version: int) -> dict[str, str]:
+        from exporter.publish import VERSION_CONFIGS
+
+        folder = self.root / model / str(version) / VERSION_CONFIGS
+        if not folder.is_dir():
+            return {}
+        return {p.relative_to(folder).as_posix(): p.read_text() for p in folder.rglob("*") if p.is_file()}
+
+    def model_file(self, model: str, rel: str) -> str | None:
+        path = self.root / model / rel
+        return path.read_text() if path.is_file() else None
 
     def card(self, model: str, version: int) -> dict[str, Any]:
         from exporter.publish import CARD
@@ -338,6 +365,25 @@ class ObjectStateStore(StateStore):
 
     def write_config(self, model: str, rel: str, text: str) -> None:
         self.client.put_object(Bucket=self.repo.bucket, Key=self.repo.key(model, rel), Body=text.encode())
+
+    def version_configs(self, model: str, version: int) -> dict[str, str]:
+        from exporter.object_store import _keys, _read
+        from exporter.publish import VERSION_CONFIGS
+
+        base = self.repo.key(model, version, VERSION_CONFIGS) + "/"
+        out = {}
+        for key in _keys(self.client, self.repo.bucket, base):
+            rel = key.removeprefix(base)
+            data = _read(self.client, self.repo, model, version, VERSION_CONFIGS, rel)
+            if data is not None:
+                out[rel] = data.decode()
+        return out
+
+    def model_file(self, model: str, rel: str) -> str | None:
+        from exporter.object_store import _read
+
+        data = _read(self.client, self.repo, model, rel)
+        return None if data is None else data.decode()
 
     def card(self, model: str, version: int) -> dict[str, Any]:
         from exporter.errors import PublishError

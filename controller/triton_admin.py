@@ -76,15 +76,16 @@ class TritonAdmin:
             raise ControlError(f"{self.name} did not answer for {model}'s config: {exc}") from exc
         return config
 
-    def load(self, model: str, versions: list[int] | None = None) -> None:
+    def load(self, model: str, versions: list[int] | None = None, base: dict[str, Any] | None = None) -> None:
         """Load `model` from the repository (its configs name the served versions), or with
-        `versions` as a config override of the loaded config (a canary)."""
+        `versions` as a config override (a canary): of `base` (the candidate's own config) when
+        given, else of the loaded config."""
         config = None
         if versions is not None:
-            loaded = self.config(model)
+            loaded = base if base is not None else self.config(model)
             if loaded is None:
                 raise LoadFailed(f"{model} is not loaded on {self.name}: load its served versions first")
-            loaded["version_policy"] = {"specific": {"versions": sorted(versions)}}
+            loaded = {**loaded, "name": model, "version_policy": {"specific": {"versions": sorted(versions)}}}
             config = json.dumps(loaded)
         try:
             self.load_client.load_model(model, headers=self.headers, config=config)

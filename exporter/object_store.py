@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from exporter.errors import PublishError
-from exporter.publish import CARD, Published
+from exporter.publish import CARD, VERSION_CONFIGS, Published
 from exporter.triton_config import LOCAL_PROFILE, parse
 
 if TYPE_CHECKING:
@@ -294,6 +294,13 @@ def publish_version(
         )
         model_files = {BACKEND_FILE: backend_file_text(backend), **model_files}
     version = _claim(client, repo, name, version)
+    # The version keeps the configs it was exported and checked with, beside its files; they become
+    # the model's only when it is promoted (controller/state_store.py `materialize`).
+    for rel, text in model_files.items():
+        if rel != BACKEND_FILE:
+            kept = staging / VERSION_CONFIGS / rel
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text(text)
     files = sorted((p for p in staging.rglob("*") if p.is_file()), key=lambda p: (p.name == CARD, str(p)))
     for path in files:  # the card last: it marks the version complete
         client.upload_file(
@@ -307,6 +314,8 @@ def publish_version(
     ordered = sorted(
         model_files, key=lambda rel: MODEL_FILE_ORDER.index(rel) if rel in MODEL_FILE_ORDER else -1
     )
+    if version not in served and _read(client, repo, name, "config.pbtxt") is not None:
+        ordered = [rel for rel in ordered if rel == BACKEND_FILE]  # the served version's stay
     for rel in ordered:
         text = model_files[rel]
         if rel.endswith(".pbtxt"):

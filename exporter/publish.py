@@ -40,6 +40,11 @@ class Published:
     path: Path
 
 
+# Inside each version folder: the model-level files (configs, labels) it was published with. Triton
+# reads only the model files a backend names there, so the folder is invisible to it.
+VERSION_CONFIGS = ".skewserve-configs"
+
+
 def published_versions(model_dir: Path) -> list[int]:
     """Integer version folders that are complete (hold their model card)."""
     if not model_dir.is_dir():
@@ -195,7 +200,15 @@ def publish_version(
                 f"{model_dir.name} version {version} already exists; versions are immutable: omit --version to take {max(taken) + 1}"
             )
         _clean_stale_model_files(model_dir, list(model_files))
-        model_files = _pinned_to_served(model_dir, model_files, version)
+        # The version keeps the configs it was exported and checked with: they become the model's
+        # only when it is promoted (controller/state_store.py `materialize`).
+        for rel, text in model_files.items():
+            if rel != BACKEND_FILE:
+                _atomic_write(staging / VERSION_CONFIGS / rel, text)
+        served, model_files = _pinned_to_served(model_dir, model_files, version)
+        if version not in served and (model_dir / "config.pbtxt").is_file():
+            # Not served: the served version's configs stay where servers read them.
+            model_files = {rel: text for rel, text in model_files.items() if rel == BACKEND_FILE}
         # Model-level files first: Triton reads them when it loads the new version folder.
         for rel, text in model_files.items():
             _atomic_write(model_dir / rel, text)
@@ -211,9 +224,11 @@ def publish_version(
     return Published(model_dir.name, version, target)
 
 
-def _pinned_to_served(model_dir: Path, model_files: dict[str, str], version: int) -> dict[str, str]:
-    """Configs pinned to what the model serves once `version` is published: the promoted versions,
-    or `version` itself when it is the model's first (controller/desired_state.py)."""
+def _pinned_to_served(
+    model_dir: Path, model_files: dict[str, str], version: int
+) -> tuple[list[int], dict[str, str]]:
+    """What the model serves once `version` is published (the promoted versions, or `version`
+    itself when it is the model's first: controller/desired_state.py), and the configs pinned to it."""
     from controller.state_store import DiskStateStore, pin_versions
 
     store = DiskStateStore(model_dir.parent)
@@ -221,7 +236,7 @@ def _pinned_to_served(model_dir: Path, model_files: dict[str, str], version: int
     if state is None:
         state = store.adopt(model_dir.name)
     served = state.published(version).served
-    return {
+    return served, {
         rel: pin_versions(text, served) if rel.endswith(".pbtxt") else text
         for rel, text in model_files.items()
     }

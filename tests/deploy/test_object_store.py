@@ -20,11 +20,19 @@ from controller.state_store import ObjectStateStore
 from exporter.errors import PublishError
 from exporter.object_store import CLAIMS, ObjectRepository, published_versions, s3_client
 from exporter.pipeline import export_artifact
+from exporter.publish import VERSION_CONFIGS
 from exporter.triton_config import parse
 from tests.deploy.conftest import HoldingProxy, S3Server
 from tests.waiting import wait_until
 
 NAME = "lt"
+VERSION_FILES = {
+    "batching.py",
+    "model.onnx",
+    "model.py",
+    "model_card.json",
+    *(f"{VERSION_CONFIGS}/{rel}" for rel in ("config.pbtxt", "configs/local.pbtxt", "labels.txt")),
+}
 
 
 def _bucket(client: Any, name: str) -> ObjectRepository:
@@ -70,11 +78,17 @@ def test_publish_twice_gives_next_version_with_configs_naming_complete_versions(
     state = ObjectStateStore(repo.url, client).current(NAME)
     assert state is not None and state.served == [1] and state.versions[2].state == "published"
     v1 = _objects(client, repo, NAME, 1)
-    assert set(v1) == {"batching.py", "model.onnx", "model.py", "model_card.json"}
+    assert set(v1) == VERSION_FILES
     card = json.loads(
         client.get_object(Bucket=repo.bucket, Key=repo.key(NAME, 1, "model_card.json"))["Body"].read()
     )
-    assert {k: v for k, v in v1.items() if k != "model_card.json"} == card["export"]["files"]
+    model_files = {
+        k: v for k, v in v1.items() if k != "model_card.json" and not k.startswith(VERSION_CONFIGS)
+    }
+    assert model_files == card["export"]["files"]
+    # each version keeps the configs it was published with; the second's are not the served ones
+    kept = client.get_object(Bucket=repo.bucket, Key=repo.key(NAME, 2, VERSION_CONFIGS, "config.pbtxt"))
+    assert parse(kept["Body"].read().decode()).name == NAME
     assert card["export"]["serving_target"]["image"].startswith("nvcr.io/nvidia/tritonserver:")
 
     with pytest.raises(
@@ -94,12 +108,13 @@ def test_bad_bucket_is_a_publish_error_naming_the_fix(small_artifact: Path, s3_e
     [
         # killed with the version's files half uploaded: the card (uploaded last) is missing
         (rb"PUT /[\w-]+/models/prod/lt/2/model_card\.json ", [1]),
-        # killed after labels.txt was rewritten, before either config: complete, not yet current
-        (rb"PUT /[\w-]+/models/prod/lt/configs/local\.pbtxt ", [1, 2]),
-        # killed after the card, before the commit of config.pbtxt: complete, not yet current
-        (rb"PUT /[\w-]+/models/prod/lt/config\.pbtxt ", [1, 2]),
+        # killed after the card, before the version joined the desired state: complete, not served
+        (rb"PUT /[\w-]+/models/prod/lt/desired_state\.json ", [1, 2]),
+        # killed after the desired state, at the model's backend record: complete, not served (a
+        # version not served writes no config where servers read them)
+        (rb"PUT /[\w-]+/models/prod/lt/serving_backend\.json ", [1, 2]),
     ],
-    ids=["mid-version", "after-labels", "before-commit"],
+    ids=["mid-version", "before-state", "after-state"],
 )
 def test_sigkilled_export_leaves_no_partial_version_visible(
     small_artifact: Path,
@@ -109,7 +124,7 @@ def test_sigkilled_export_leaves_no_partial_version_visible(
     complete_after_kill: list[int],
 ) -> None:
     client = s3_client()
-    bucket = "killed-" + ("a" if b"card" in held else "b" if b"configs" in held else "c")
+    bucket = "killed-" + ("a" if b"card" in held else "b" if b"desired" in held else "c")
     repo = _bucket(client, bucket)
     export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
     v1 = _objects(client, repo, NAME, 1)
@@ -275,12 +290,7 @@ def test_two_publishers_at_once_take_distinct_numbers_and_the_config_names_compl
     assert versions == [2, 3]
     assert published_versions(repo, NAME) == [1, 2, 3]
     for v in (1, 2, 3):
-        assert set(_objects(client, repo, NAME, v)) == {
-            "batching.py",
-            "model.onnx",
-            "model.py",
-            "model_card.json",
-        }
+        assert set(_objects(client, repo, NAME, v)) == VERSION_FILES
     for config in ("config.pbtxt", "configs/local.pbtxt"):
         pinned = _pinned(client, repo, config)
         assert pinned == [1], (config, pinned)  # publishing never changes what is served

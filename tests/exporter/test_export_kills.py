@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from exporter.backend import BACKEND_FILE
 from exporter.pipeline import export_artifact
 from exporter.publish import CARD, STAGING_PREFIX, model_lock, published_versions
 from exporter.triton_config import parse
@@ -44,7 +45,8 @@ def _snapshot(model_dir: Path) -> dict[str, str]:
 
 
 def _model_level_temporaries(model_dir: Path) -> list[Path]:
-    return [p for rel in MODEL_FILES for p in (model_dir / rel).parent.glob(f".{Path(rel).name}.tmp-*")]
+    rels = (*MODEL_FILES, BACKEND_FILE)  # a version not served rewrites only the backend record
+    return [p for rel in rels for p in (model_dir / rel).parent.glob(f".{Path(rel).name}.tmp-*")]
 
 
 def _check_repository(model_dir: Path, before: dict[str, str], classes: list[str]) -> None:

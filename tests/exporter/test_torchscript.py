@@ -30,6 +30,7 @@ def test_torchscript_version_served_by_tritonserver_equals_pytorch(
     assert result.parity[0].max_abs_error_probabilities <= 1e-4
     version_dir = result.published.path
     assert sorted(p.name for p in version_dir.iterdir()) == [
+        ".skewserve-configs",  # the model-level files this version was published with
         "batching.py",
         "model.pt",
         "model.py",
