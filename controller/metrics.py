@@ -1,4 +1,4 @@
-"""The controller's Prometheus metrics, served on its API's `/metrics` (deploy/prometheus/rules.yml
+"""The controller's Prometheus metrics, served on its API's `/metrics` (deploy/prometheus/controller-rules.yml
 alerts on them: no pass for minutes, no leader, a server with no models, loads failing repeatedly).
 
 Everything is counted from the pass reports (controller/reconcile.py `PassReport`), so the reconcile
