@@ -176,7 +176,8 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     # Set per listener by `with_header_timeout`.
     header_timeout_s = 10.0
     max_per_source = 0  # 0: no per-source bound
-    sources: dict[str, int] = {}  # open connections by client key, one dict per listener class
+    # open connections by client key, one dict per listener class
+    sources: dict[str, set[HeaderTimeoutProtocol]] = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -210,10 +211,14 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         self._arm_header_timer()  # a connection that sends nothing is bounded too
 
     def _admit_source(self) -> bool:
-        """Count this connection against its client address; past the bound, 503 and close."""
+        """Count this connection against its client address; past the bound, 503 and close. At the
+        listener's connection cap, make room: an idle connection of the address holding the most
+        is closed, so a few dozen addresses flooding idle connections cannot lock newcomers out."""
         source = client_key(self.client[0]) if self.client else ""
-        held = self.sources.get(source, 0)
-        if held >= self.max_per_source:
+        mine = self.sources.setdefault(source, set())
+        if len(mine) >= self.max_per_source:
+            if not mine:
+                self.sources.pop(source, None)
             body = (
                 b'{"error":"this client address holds too many connections (limits.max_connections_per_source); '
                 b'reuse kept-alive connections or close idle ones"}'
@@ -224,18 +229,42 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             )
             self.transport.close()
             return False
-        self.sources[source] = held + 1
+        mine.add(self)
         self._source = source
+        if self.limit_concurrency is not None and len(self.connections) >= self.limit_concurrency:
+            self._make_room(len(mine))
         return True
+
+    def _make_room(self, held: int) -> None:
+        """Close one idle connection of the client address holding the most connections, if it
+        holds more than this connection's address (`held`, this one included)."""
+        largest = max(self.sources.values(), key=len, default=set())
+        if len(largest) <= held:
+            return  # this address is among the largest holders: it waits like everyone
+        for other in largest:
+            if other.idle():
+                logger.info(
+                    "at the connection cap (limits.max_connections): closing an idle connection of %s, "
+                    "which holds %d, for a new client",
+                    other.client[0] if other.client else "?",
+                    len(largest),
+                )
+                other.connections.discard(other)  # counted out now: this connection's request may be next
+                other.transport.close()
+                return
+
+    def idle(self) -> bool:
+        """No request in flight or queued: closing loses nothing (an idle kept-alive connection)."""
+        return (self.cycle is None or self.cycle.response_complete) and not self.pipeline
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         if self._source is not None:
-            left = self.sources.get(self._source, 1) - 1
-            if left > 0:
-                self.sources[self._source] = left
-            else:
-                self.sources.pop(self._source, None)  # the map holds open sources only
+            mine = self.sources.get(self._source)
+            if mine is not None:
+                mine.discard(self)
+                if not mine:
+                    self.sources.pop(self._source, None)  # the map holds open sources only
             self._source = None
         super().connection_lost(exc)
 
