@@ -78,7 +78,13 @@ class StateStore(ABC):
         """Model-level config files (config.pbtxt, configs/*.pbtxt) by path relative to the model."""
 
     @abstractmethod
-    def write_config(self, model: str, rel: str, text: str) -> None: ...
+    def write_config(self, model: str, rel: str, text: str, token: object = None) -> None:
+        """Write a model-level file if it did not change since `token` was read (None: only if
+        absent); StateConflict otherwise."""
+
+    @abstractmethod
+    def model_file_token(self, model: str, rel: str) -> object:
+        """A token for a conditional write of the model-level file (None when it is absent)."""
 
     @abstractmethod
     def version_configs(self, model: str, version: int) -> dict[str, str]:
@@ -157,19 +163,40 @@ class StateStore(ABC):
 
     def materialize(self, state: DesiredState) -> None:
         """The model-level files of the newest served version (the configs it was published and
-        checked with), every config pinned to the served versions (idempotent)."""
-        if not state.served:
-            return
+        checked with), every config pinned to the served versions (idempotent).
+
+        Written conditionally, and from the record as read *after* the files' tokens: a writer
+        acting on an older record either finishes before a newer one reads the files, or its write
+        conflicts and it starts again from the newest record, so no stale pin outlives a race."""
+        for _ in range(MAX_WRITE_ATTEMPTS):
+            rels = [*self.configs(state.model), *self.version_configs(state.model, max(state.served or [0]))]
+            tokens = {rel: self.model_file_token(state.model, rel) for rel in dict.fromkeys(rels)}
+            latest, _ = self.read(state.model)
+            if latest is not None:
+                state = latest
+            if not state.served or state.newer:
+                return
+            try:
+                self._write_served_files(state, tokens)
+                return
+            except StateConflict:
+                continue
+        raise ControlError(
+            f"{self.url}/{state.model}: configs kept changing under {MAX_WRITE_ATTEMPTS} writes"
+        )
+
+    def _write_served_files(self, state: DesiredState, tokens: dict[str, object]) -> None:
         current = self.configs(state.model)
         own = self.version_configs(state.model, max(state.served))
         for rel, text in (own or current).items():
+            token = tokens.get(rel, self.model_file_token(state.model, rel))
             if not rel.endswith(".pbtxt"):
                 if self.model_file(state.model, rel) != text:
-                    self.write_config(state.model, rel, text)
+                    self.write_config(state.model, rel, text, token)
                 continue
             pinned = pin_versions(text, state.served)
             if rel not in current or parse(pinned) != parse(current[rel]):
-                self.write_config(state.model, rel, pinned)
+                self.write_config(state.model, rel, pinned, token)
 
 
 class DiskStateStore(StateStore):
@@ -220,10 +247,19 @@ class DiskStateStore(StateStore):
         paths = [model_dir / "config.pbtxt", *sorted((model_dir / "configs").glob("*.pbtxt"))]
         return {p.relative_to(model_dir).as_posix(): p.read_text() for p in paths if p.is_file()}
 
-    def write_config(self, model: str, rel: str, text: str) -> None:
-        from exporter.publish import _atomic_write
+    def write_config(self, model: str, rel: str, text: str, token: object = None) -> None:
+        from exporter.publish import _atomic_write, model_lock
 
-        _atomic_write(self.root / model / rel, text)
+        model_dir = self.root / model
+        with model_lock(model_dir):  # the lock publishes take: a compare and a rename
+            now = self.model_file_token(model, rel)
+            if now != token:
+                raise StateConflict(f"{model_dir / rel} changed since it was read")
+            _atomic_write(model_dir / rel, text)
+
+    def model_file_token(self, model: str, rel: str) -> object:
+        path = self.root / model / rel
+        return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
     def version_configs(self, model: str, version: int) -> dict[str, str]:
         from exporter.publish import VERSION_CONFIGS
@@ -363,8 +399,32 @@ class ObjectStateStore(StateStore):
                 out[rel] = data.decode()
         return out
 
-    def write_config(self, model: str, rel: str, text: str) -> None:
-        self.client.put_object(Bucket=self.repo.bucket, Key=self.repo.key(model, rel), Body=text.encode())
+    def write_config(self, model: str, rel: str, text: str, token: object = None) -> None:
+        from botocore.exceptions import ClientError
+
+        from exporter.object_store import _error_code
+
+        condition = {"IfMatch": str(token)} if token else {"IfNoneMatch": "*"}
+        try:
+            self.client.put_object(
+                Bucket=self.repo.bucket, Key=self.repo.key(model, rel), Body=text.encode(), **condition
+            )
+        except ClientError as exc:
+            if _error_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                raise StateConflict(f"{self.url}/{model}/{rel} changed since it was read") from exc
+            raise
+
+    def model_file_token(self, model: str, rel: str) -> object:
+        from botocore.exceptions import ClientError
+
+        from exporter.object_store import _error_code
+
+        try:
+            return self.client.head_object(Bucket=self.repo.bucket, Key=self.repo.key(model, rel))["ETag"]
+        except ClientError as exc:
+            if _error_code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise
 
     def version_configs(self, model: str, version: int) -> dict[str, str]:
         from exporter.object_store import _keys, _read

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from controller.desired_state import TrafficGate
+from controller.errors import StateConflict
 from controller.reconcile import Controller
 from controller.rollout import rollback, rollout
 from controller.state_store import DiskStateStore
@@ -70,3 +71,27 @@ def test_a_version_runs_under_the_config_it_was_published_and_checked_with(
         if admin is not None:
             admin.close()
         server.stop()
+
+
+def test_a_writer_acting_on_an_older_record_never_leaves_a_stale_pin(
+    small_artifact: Path, tmp_path: Path
+) -> None:
+    """Item 7: config writes are conditional and follow the newest record. A controller holding
+    the record from before a promotion (it read it, then another controller promoted) writes the
+    configs from the record as it is now, not as it read it."""
+    repo = tmp_path / "repo"
+    export_artifact(small_artifact, repo, "lt", tensorrt="off")
+    export_artifact(small_artifact, repo, "lt", tensorrt="off", options=ConfigOptions(max_batch_size=16))
+    store = DiskStateStore(repo)
+    before = store.current("lt")
+    assert before is not None and before.served == [1]
+    store.update("lt", lambda state: state.promote(2))  # another controller promotes meanwhile
+    for rel in CONFIGS:
+        assert _batch_and_pin(repo / "lt" / rel) == (16, [2]), rel
+    store.materialize(before)  # the slower controller, with its older record
+    for rel in CONFIGS:
+        assert _batch_and_pin(repo / "lt" / rel) == (16, [2]), rel
+    token = store.model_file_token("lt", "config.pbtxt")
+    with pytest.raises(StateConflict, match="changed since it was read"):
+        store.write_config("lt", "config.pbtxt", "name: 'lt'", "a-token-read-before-a-change")
+    assert store.model_file_token("lt", "config.pbtxt") == token

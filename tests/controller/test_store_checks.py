@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from controller.desired_state import DesiredState
+from controller.errors import StateConflict
 from controller.state_store import ObjectStateStore
 from controller.store_probe import UnsafeStore, check_conditional_writes
 from exporter.object_store import ObjectRepository
@@ -61,6 +62,15 @@ def test_an_s3_compatible_store_named_as_triton_names_it_and_probed(
     state = DesiredState(model="m").published(1)
     store.write(state, None)
     assert store.read("m")[0] == state and store.models() == ["m"]
+
+    # model-level files are written conditionally too (controller/state_store.py `materialize`)
+    store.write_config("m", "labels.txt", "a\n", None)
+    token = store.model_file_token("m", "labels.txt")
+    for stale in (None, '"00000000000000000000000000000000"'):
+        with pytest.raises(StateConflict, match="labels.txt changed since it was read"):
+            store.write_config("m", "labels.txt", "b\n", stale)
+    store.write_config("m", "labels.txt", "c\n", token)
+    assert store.model_file("m", "labels.txt") == "c\n"
 
     for drop, condition in (("IfNoneMatch", "If-None-Match"), ("IfMatch", "If-Match")):
         careless = ObjectStateStore(url, IgnoringConditions(repo.client(), drop))
