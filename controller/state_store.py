@@ -187,8 +187,9 @@ class StateStore(ABC):
 
     def _write_served_files(self, state: DesiredState, tokens: dict[str, object]) -> None:
         current = self.configs(state.model)
-        own = self.version_configs(state.model, max(state.served))
-        for rel, text in (own or current).items():
+        # the version's own files; profiles it does not have (added by hand) stay, re-pinned
+        files = {**current, **self.version_configs(state.model, max(state.served))}
+        for rel, text in files.items():
             token = tokens.get(rel, self.model_file_token(state.model, rel))
             if not rel.endswith(".pbtxt"):
                 if self.model_file(state.model, rel) != text:

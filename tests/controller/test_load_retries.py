@@ -14,6 +14,7 @@ from controller.reconcile import Controller
 from controller.rollout import rollout
 from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
+from exporter.publish import VERSION_CONFIGS
 from skewserve.triton_dist import PreparedTriton
 from tests.controller.conftest import KEY, as_controlled, controlled_server, loaded
 from tests.gateway.test_units import FakeClock
@@ -26,10 +27,13 @@ def test_a_failed_load_is_tried_again_after_30_s_then_doubling(
 ) -> None:
     repo = tmp_path / "repo"
     export_artifact(small_artifact, repo, "lt", tensorrt="off")
-    local = (repo / "lt" / "configs" / "local.pbtxt").read_text()
-    (repo / "lt" / "configs" / "local.pbtxt").write_text(
-        local.replace('backend: "python"', 'backend: "nope"')
-    )
+    # a version whose own config cannot load (each version runs under the config it was published
+    # with: the model-level copy and the version's own)
+    for path in (
+        repo / "lt" / "configs" / "local.pbtxt",
+        repo / "lt" / "1" / VERSION_CONFIGS / "configs" / "local.pbtxt",
+    ):
+        path.write_text(path.read_text().replace('backend: "python"', 'backend: "nope"'))
     server = controlled_server(repo, "s", tmp_path / "logs", prepared_triton)
     clock = FakeClock()
     cfg = ControllerConfig(load_timeout_s=60)

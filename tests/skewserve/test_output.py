@@ -188,6 +188,7 @@ def test_export_without_a_terminal_prints_exact_lines(small_artifact: Path, tmp_
     ), lines[0]
     assert lines[1] == f"published m version 1 at {repo / 'm' / '1'}"
     assert sorted(p.name for p in (repo / "m" / "1").iterdir()) == [
+        ".skewserve-configs",  # the model-level files version 1 was published with
         "batching.py",
         "model.onnx",
         "model.py",
