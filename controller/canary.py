@@ -101,11 +101,8 @@ def own_config(configs: CandidateConfigs | None, loaded: dict[str, Any]) -> dict
     if configs is None or not configs.own:
         return None
     running = loaded.get("backend") or loaded.get("platform")
-    profiles = [
-        rel
-        for rel, text in configs.served.items()
-        if rel.endswith(".pbtxt") and (parse(text).backend or parse(text).platform) == running
-    ]
+    served = {rel: parse(text) for rel, text in configs.served.items() if rel.endswith(".pbtxt")}
+    profiles = [rel for rel, cfg in served.items() if (cfg.backend or cfg.platform) == running]
     if len(profiles) != 1 or profiles[0] not in configs.own:
         return None
     own: dict[str, Any] = json_format.MessageToDict(

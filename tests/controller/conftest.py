@@ -12,7 +12,7 @@ from controller.api_auth import CallerTokens
 from controller.config import ControllerConfig
 from controller.fleet import ControlledServer, FleetSpec
 from controller.runner import ControllerThread
-from controller.state_store import StateStore
+from controller.state_store import DiskStateStore, StateStore
 from controller.triton_admin import TritonAdmin, restricted_api_args
 from gateway.config import RegionConfig, ServerConfig
 from skewserve.triton_dist import PreparedTriton
@@ -39,6 +39,15 @@ def controlled_server(
         log_dir,
         prepared,
     )
+
+
+def two_versions(artifact: Path, repo: Path, model: str = "lt") -> DiskStateStore:
+    """`model` published twice from `artifact` (version 1 served, 2 published) and its store."""
+    from exporter.pipeline import export_artifact
+
+    for _ in range(2):
+        export_artifact(artifact, repo, model, tensorrt="off")
+    return DiskStateStore(repo)
 
 
 def as_controlled(servers: list[TritonServer]) -> Callable[[], list[ControlledServer]]:

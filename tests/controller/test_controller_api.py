@@ -19,12 +19,10 @@ from controller.api_auth import CallerTokens
 from controller.desired_state import DesiredState, TrafficGate
 from controller.fleet import FleetSpec
 from controller.runner import ControllerThread
-from controller.state_store import DiskStateStore
-from exporter.pipeline import export_artifact
 from gateway.config import RegionConfig, ServerConfig
 from gateway.fleet.traffic_tally import ModelTally, RoleTally, TrafficReport
 from skewserve.triton_dist import PreparedTriton
-from tests.controller.conftest import CFG, KEY, controlled_server
+from tests.controller.conftest import CFG, KEY, controlled_server, two_versions
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -66,9 +64,7 @@ def test_forged_reports_and_asks_change_nothing_without_a_callers_token(
     small_artifact: Path, tmp_path: Path, prepared_triton: PreparedTriton
 ) -> None:
     repo = tmp_path / "repo"
-    export_artifact(small_artifact, repo, "lt", tensorrt="off")
-    export_artifact(small_artifact, repo, "lt", tensorrt="off")
-    store = DiskStateStore(repo)
+    store = two_versions(small_artifact, repo)
     gate = TrafficGate(min_requests=500, max_p99_ratio=1e6)
     store.update("lt", partial(DesiredState.start_canary, version=2, share=0.1, gate=gate))
     tokens = tmp_path / "tokens"

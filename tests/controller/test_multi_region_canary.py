@@ -13,11 +13,9 @@ import pytest
 from controller.fleet import ControlledServer
 from controller.reconcile import Controller
 from controller.rollout import rollout
-from controller.state_store import DiskStateStore
-from exporter.pipeline import export_artifact
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
-from tests.controller.conftest import CFG, KEY, controlled_server, loaded
+from tests.controller.conftest import CFG, KEY, controlled_server, loaded, two_versions
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -31,9 +29,7 @@ def test_a_region_whose_controller_is_down_holds_the_canary(
     small_artifact: Path, tmp_path: Path, prepared_triton: PreparedTriton
 ) -> None:
     repo = tmp_path / "repo"
-    export_artifact(small_artifact, repo, "lt", tensorrt="off")
-    export_artifact(small_artifact, repo, "lt", tensorrt="off")
-    store = DiskStateStore(repo)
+    store = two_versions(small_artifact, repo)
     east = controlled_server(repo, "e", tmp_path / "logs", prepared_triton)
     west = controlled_server(repo, "w", tmp_path / "logs", prepared_triton)
     try:

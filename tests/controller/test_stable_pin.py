@@ -17,11 +17,9 @@ import pytest
 
 from controller.config import ControllerConfig
 from controller.desired_state import DesiredState, TrafficGate
-from controller.state_store import DiskStateStore
 from controller.triton_admin import TritonAdmin
-from exporter.pipeline import export_artifact
 from skewserve.triton_dist import PreparedTriton
-from tests.controller.conftest import CFG, KEY, controlled_server, controller_and_gateway
+from tests.controller.conftest import CFG, KEY, controlled_server, controller_and_gateway, two_versions
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -42,9 +40,7 @@ def test_unversioned_requests_never_reach_the_candidate_while_the_stable_version
     small_artifact: Path, tmp_path: Path, prepared_triton: PreparedTriton
 ) -> None:
     repo = tmp_path / "repo"
-    export_artifact(small_artifact, repo, "lt", tensorrt="off")
-    export_artifact(small_artifact, repo, "lt", tensorrt="off")
-    store = DiskStateStore(repo)
+    store = two_versions(small_artifact, repo)
     never = TrafficGate(min_requests=10**6, max_wait_s=3600)  # the canary stays on for the test
     store.update("lt", partial(DesiredState.start_canary, version=2, shadow=0.01, gate=never))
     server = controlled_server(repo, "s", tmp_path / "logs", prepared_triton)

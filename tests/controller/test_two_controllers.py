@@ -14,10 +14,8 @@ import pytest
 from controller.config import ControllerConfig
 from controller.desired_state import DesiredState
 from controller.reconcile import Controller
-from controller.state_store import DiskStateStore
-from exporter.pipeline import export_artifact
 from skewserve.triton_dist import PreparedTriton
-from tests.controller.conftest import KEY, as_controlled, controlled_server, loaded
+from tests.controller.conftest import KEY, as_controlled, controlled_server, loaded, two_versions
 
 pytestmark = pytest.mark.slow
 REALISTIC = ControllerConfig(interval_s=0.2, lease_s=30.0, retry_after_s=0.2, load_timeout_s=120)
@@ -27,9 +25,7 @@ def test_two_controllers_at_once_check_each_server_once(
     small_artifact: Path, tmp_path: Path, prepared_triton: PreparedTriton
 ) -> None:
     repo = tmp_path / "repo"
-    export_artifact(small_artifact, repo, "lt", tensorrt="off")
-    export_artifact(small_artifact, repo, "lt", tensorrt="off")
-    store = DiskStateStore(repo)
+    store = two_versions(small_artifact, repo)
     servers = [controlled_server(repo, name, tmp_path / "logs", prepared_triton) for name in ("a", "b")]
     try:
         for s in servers:

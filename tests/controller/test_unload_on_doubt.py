@@ -17,7 +17,7 @@ from controller.reconcile import Controller
 from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
 from skewserve.triton_dist import PreparedTriton
-from tests.controller.conftest import CFG, KEY, as_controlled, controlled_server, loaded
+from tests.controller.conftest import CFG, KEY, as_controlled, controlled_server, loaded, two_versions
 
 pytestmark = pytest.mark.slow
 
@@ -92,9 +92,7 @@ def test_a_record_from_a_newer_controller_is_served_and_never_downgraded(
     small_artifact: Path, tmp_path: Path, prepared_triton: PreparedTriton
 ) -> None:
     repo = tmp_path / "repo"
-    export_artifact(small_artifact, repo, "lt", tensorrt="off")
-    export_artifact(small_artifact, repo, "lt", tensorrt="off")
-    store = DiskStateStore(repo)
+    store = two_versions(small_artifact, repo)
     state = store.current("lt")
     assert state is not None and state.served == [1]
     record = repo / "lt" / STATE_FILE
