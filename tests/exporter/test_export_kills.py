@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import signal
 import subprocess
@@ -92,6 +93,26 @@ def _wait_for(predicate: Callable[[], bool], proc: subprocess.Popen[bytes], time
     raise AssertionError(f"nothing observed within {timeout_s}s")
 
 
+def _step_until(predicate: Callable[[], bool], proc: subprocess.Popen[bytes], timeout_s: float = 60) -> bool:
+    """Run the export in short slices (SIGCONT, SIGSTOP) and check `predicate` while it is stopped.
+
+    A stopped process cannot rename its temporary away between the check and the kill, and a stop
+    requested during the temporary's fsync takes effect before the rename that follows it: the few
+    hundred microseconds a one-file rewrite lasts are caught, which polling a running process misses.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        proc.send_signal(signal.SIGSTOP)
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        if not os.WIFSTOPPED(status):  # it exited before the stop: let Popen see the exit code
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return predicate()
+        if predicate():
+            return True  # left stopped: the caller's SIGKILL lands on this moment
+        proc.send_signal(signal.SIGCONT)
+    raise AssertionError(f"nothing observed within {timeout_s}s")
+
+
 def _staging_dirs(model_dir: Path) -> list[Path]:
     return list(model_dir.glob(f"{STAGING_PREFIX}*"))
 
@@ -133,8 +154,9 @@ def test_sigkilled_exports_never_expose_a_partial_version(
         assert not _staging_dirs(model_dir), "stale staging folders of killed exports are removed"
 
     # 3. While the model-level files are rewritten. The test holds the publish lock until the export
-    # has staged a complete version, then polls tightly for a model-level temporary and kills on
-    # sight: a temporary left behind proves the kill landed between its write and its rename.
+    # has staged a complete version, then steps the export in stopped slices and kills when a
+    # model-level temporary is seen: a temporary left behind proves the kill landed between its write
+    # and its rename.
     torn_moments = 0
     for _ in range(4):
         proc = _spawn_export(small_artifact, repo, log)
@@ -142,7 +164,7 @@ def test_sigkilled_exports_never_expose_a_partial_version(
             card = f"{STAGING_PREFIX}*-{proc.pid}/{CARD}"  # this export's own staging folder, complete
             _wait_for(lambda card=card: any(model_dir.glob(card)), proc)  # type: ignore[misc]
             before = _snapshot(model_dir)
-        seen = _wait_for(lambda: bool(_model_level_temporaries(model_dir)), proc)
+        seen = _step_until(lambda: bool(_model_level_temporaries(model_dir)), proc)
         was_running = _kill(proc)
         if seen and was_running:
             killed.append("model-files")
