@@ -39,8 +39,8 @@ from pathlib import Path
 
 from controller.config import ControllerConfig
 from controller.placement import CopyBounds, PlacementConfig
-from controller.state_store import DiskStateStore
 from controller.triton_admin import TritonAdmin
+from repository.disk_store import DiskStateStore
 from skewserve.sample_models import write_affine_model
 from skewserve.stack import LocalStack, StackConfig
 

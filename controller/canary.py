@@ -16,7 +16,7 @@ from controller.config import ControllerConfig
 from controller.errors import ControlError
 from controller.triton_admin import LoadFailed, TritonAdmin
 from exporter.contract import INPUT_NAME, NUMPY_DTYPES, PROBABILITIES
-from exporter.triton_config import parse
+from repository.model_config import parse
 
 
 def plan_refusal(admin: TritonAdmin, model: str, card: dict[str, Any], cfg: ControllerConfig) -> str | None:

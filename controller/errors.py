@@ -1,4 +1,9 @@
-"""Errors of the control plane: each says what was wrong and what to do."""
+"""Errors of the control plane: each says what was wrong and what to do.
+
+The repository's own errors (a conflicting write, a refused transition, a newer record) are in
+repository/errors.py; these are the controller's: a server that cannot be reached or refuses a
+load, a rollout that did not promote.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +12,5 @@ class ControlError(Exception):
     """Base of the controller's errors."""
 
 
-class StateConflict(ControlError):
-    """Another writer changed a model's desired state between our read and our write: read again."""
-
-
-class TransitionError(ControlError):
-    """A change of desired state that the current state does not allow (e.g. promote a failed version)."""
-
-
 class RolloutError(ControlError):
     """A rollout that did not promote its version; the message says where and why."""
-
-
-class NewerRecord(ControlError):
-    """A desired state written by a newer controller: read, never overwritten (no downgrade)."""

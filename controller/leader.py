@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from controller.errors import StateConflict
-from controller.state_store import StateStore
+from repository.errors import StateConflict
+from repository.state_store import StateStore
 
 logger = logging.getLogger(__name__)
 

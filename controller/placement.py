@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -83,6 +83,22 @@ class Plan:
     unplaced: dict[str, str] = field(default_factory=dict)
     evictions: list[str] = field(default_factory=list)
     unfit: set[str] = field(default_factory=set)  # larger than any server: unplaced whatever happens
+
+
+class PlacementPolicy(Protocol):
+    """A policy plans one region: which servers hold which models, from the same view for every policy.
+
+    `held` is what each server holds now, `previous` the copies the last plan wanted; a policy never
+    places a model on a server beyond `cfg.server_capacity_bytes`."""
+
+    def __call__(
+        self,
+        servers: list[str],
+        held: dict[str, set[str]],
+        models: dict[str, ModelView],
+        previous: dict[str, int],
+        cfg: PlacementConfig,
+    ) -> Plan: ...
 
 
 def copies_for(rate: float, previous: int, bounds: CopyBounds, cfg: PlacementConfig, servers: int) -> int:

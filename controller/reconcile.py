@@ -30,14 +30,14 @@ from typing import Any
 from controller.canary import CandidateConfigs, check
 from controller.config import ControllerConfig
 from controller.demand import DemandTracker, idle_seconds
-from controller.desired_state import DesiredState
 from controller.errors import ControlError
 from controller.fleet import ControlledServer
-from controller.placement import ModelView, plan_region
-from controller.placement_lru import plan_region_lru
-from controller.state_store import StateStore
+from controller.placement import ModelView
+from controller.placement_policy import POLICIES
 from controller.traffic_gate import TrafficReports, describe, verdict
 from controller.triton_admin import TritonAdmin, loaded_versions
+from repository.desired_state import DesiredState
+from repository.state_store import StateStore
 
 logger = logging.getLogger(__name__)
 MAX_PARALLEL_SERVERS = 8
@@ -241,7 +241,7 @@ class Controller:
                     asked=since_asked < DEMAND_HOLD_S and not holders,
                 )
             held = {n: {e["name"] for e in st} for n, st in members.items()}
-            planner = plan_region if cfg.policy == "demand" else plan_region_lru
+            planner = POLICIES[cfg.policy]
             plan = planner(sorted(members), held, views, self.copies.get(region, {}), cfg)
             self.copies[region] = plan.copies
             placed.update(plan.holds)
@@ -398,29 +398,8 @@ class Controller:
         eligible = [s for s in servers if self.placed is None or model in self.placed.get(s.name, set())]
         pending = [s for s in eligible if s.name not in canary.passed]
         if not pending:
-            if not eligible:
-                return  # no server to check on: a canary never passes by default
-            # the gate reads the gateways' reports, which reach the running controller (its API);
-            # a rollout command's own passes stop at the checks and leave the verdict to it
-            if state.observed and (self.scoped or not self._traffic_gate(state, report)):
-                return
-            mine = sorted({s.region for s in eligible})
-            marked = self.store.update(model, partial(_region_done, version=canary.version, regions=mine))
-            needed = set(canary.regions or self.cfg.canary_regions or mine)
-            if marked.canary is None or not needed <= set(marked.canary.regions_done):
-                report.canary.append(
-                    f"{model} version {canary.version}: passed in {', '.join(mine)}; waiting for "
-                    f"{', '.join(sorted(needed - set(marked.canary.regions_done if marked.canary else [])))}"
-                )
-                return
-            promoted = self.store.update(
-                model, partial(_promote_canary, version=canary.version, started=canary.started)
-            )
-            report.canary.append(
-                f"{model} version {canary.version} promoted (passed on {len(canary.passed)} servers)"
-            )
-            logger.info("%s version %d promoted", model, canary.version)
-            self.prune(promoted, report)
+            if eligible:  # no server to check on: a canary never passes by default
+                self._conclude_canary(state, eligible, report)
             return
         card = self.store.card(model, canary.version)
         configs = CandidateConfigs(
@@ -430,51 +409,97 @@ class Controller:
         if not configs.served:  # the served version predates configs kept per version
             configs = CandidateConfigs(configs.own, self.store.configs(model))
         for server in pending:
-            claimed = self.store.update(
-                model,
-                partial(
-                    DesiredState.canary_claimed,
-                    me=self.me,
-                    server=server.name,
-                    lease_s=self.cfg.lease_s,
-                    now=time.time(),
-                ),
-            )
-            if (
-                claimed.canary is None
-                or claimed.canary.version != canary.version
-                or claimed.canary.owner != self.me
-            ):
-                return  # finished elsewhere, or another controller holds the lease
-            try:
-                summary = self._check_under_lease(
-                    server, model, canary.version, claimed.served, card, configs
-                )
-            except ControlError as exc:
-                reason = str(exc)
-                admin = self.admin(server)
-                try:
-                    admin.load(model)  # back to the served versions (the configs name them)
-                    action = f"back on version(s) {', '.join(map(str, claimed.served))}"
-                except ControlError as again:
-                    action = f"putting it back failed too: {again}"
-                finally:
-                    admin.close()
-                self.store.update(
-                    model,
-                    partial(_fail_canary, version=canary.version, server=server.name, reason=reason),
-                )
-                report.canary.append(
-                    f"{server.name}: {model} version {canary.version} failed: {reason}; {action}"
-                )
-                self.canary_log.append(report.canary[-1])
-                logger.warning(
-                    "%s: canary of %s version %d failed: %s", server.name, model, canary.version, reason
-                )
+            if not self._check_canary_on(state, server, card, configs, report):
                 return
-            self.store.update(model, partial(_pass_canary, version=canary.version, server=server.name))
-            report.canary.append(f"{server.name}: {model} version {canary.version} {summary}")
-            self.canary_log.append(report.canary[-1])
+
+    def _conclude_canary(
+        self, state: DesiredState, eligible: list[ControlledServer], report: PassReport
+    ) -> None:
+        """Every eligible server passed: mark this region done, and promote once every region is."""
+        model, canary = state.model, state.canary
+        assert canary is not None
+        # the gate reads the gateways' reports, which reach the running controller (its API);
+        # a rollout command's own passes stop at the checks and leave the verdict to it
+        if state.observed and (self.scoped or not self._traffic_gate(state, report)):
+            return
+        mine = sorted({s.region for s in eligible})
+        marked = self.store.update(model, partial(_region_done, version=canary.version, regions=mine))
+        needed = set(canary.regions or self.cfg.canary_regions or mine)
+        if marked.canary is None or not needed <= set(marked.canary.regions_done):
+            report.canary.append(
+                f"{model} version {canary.version}: passed in {', '.join(mine)}; waiting for "
+                f"{', '.join(sorted(needed - set(marked.canary.regions_done if marked.canary else [])))}"
+            )
+            return
+        promoted = self.store.update(
+            model, partial(_promote_canary, version=canary.version, started=canary.started)
+        )
+        report.canary.append(
+            f"{model} version {canary.version} promoted (passed on {len(canary.passed)} servers)"
+        )
+        logger.info("%s version %d promoted", model, canary.version)
+        self.prune(promoted, report)
+
+    def _check_canary_on(
+        self,
+        state: DesiredState,
+        server: ControlledServer,
+        card: dict[str, Any],
+        configs: CandidateConfigs,
+        report: PassReport,
+    ) -> bool:
+        """Check the candidate on one server under the canary's lease; False stops this pass's checks
+        (the canary failed, finished elsewhere, or another controller holds the lease)."""
+        model, canary = state.model, state.canary
+        assert canary is not None
+        claimed = self.store.update(
+            model,
+            partial(
+                DesiredState.canary_claimed,
+                me=self.me,
+                server=server.name,
+                lease_s=self.cfg.lease_s,
+                now=time.time(),
+            ),
+        )
+        if (
+            claimed.canary is None
+            or claimed.canary.version != canary.version
+            or claimed.canary.owner != self.me
+        ):
+            return False
+        try:
+            summary = self._check_under_lease(server, model, canary.version, claimed.served, card, configs)
+        except ControlError as exc:
+            self._fail_canary_on(server, model, canary.version, claimed.served, str(exc), report)
+            return False
+        self.store.update(model, partial(_pass_canary, version=canary.version, server=server.name))
+        report.canary.append(f"{server.name}: {model} version {canary.version} {summary}")
+        self.canary_log.append(report.canary[-1])
+        return True
+
+    def _fail_canary_on(
+        self,
+        server: ControlledServer,
+        model: str,
+        version: int,
+        served: list[int],
+        reason: str,
+        report: PassReport,
+    ) -> None:
+        """Put the server back on the served versions and mark the candidate failed."""
+        admin = self.admin(server)
+        try:
+            admin.load(model)  # back to the served versions (the configs name them)
+            action = f"back on version(s) {', '.join(map(str, served))}"
+        except ControlError as again:
+            action = f"putting it back failed too: {again}"
+        finally:
+            admin.close()
+        self.store.update(model, partial(_fail_canary, version=version, server=server.name, reason=reason))
+        report.canary.append(f"{server.name}: {model} version {version} failed: {reason}; {action}")
+        self.canary_log.append(report.canary[-1])
+        logger.warning("%s: canary of %s version %d failed: %s", server.name, model, version, reason)
 
     def _traffic_gate(self, state: DesiredState, report: PassReport) -> bool:
         """Judge a canary with a share or shadow on the gateways' reports: True once it passed;

@@ -17,18 +17,17 @@ from functools import partial
 
 from controller.canary import plan_refusal
 from controller.config import ControllerConfig
-from controller.desired_state import DesiredState, TrafficGate
-from controller.errors import ControlError, RolloutError, TransitionError
+from controller.errors import ControlError, RolloutError
 from controller.fleet import ControlledServer
 from controller.reconcile import Controller
-from controller.state_store import StateStore
+from repository.desired_state import DesiredState, TrafficGate
+from repository.errors import RepositoryError
+from repository.state_store import StateStore
 
 
 def _store_errors() -> tuple[type[BaseException], ...]:
     """What a store or a server can raise: each becomes a RolloutError with its message."""
-    from exporter.errors import PublishError
-
-    errors: list[type[BaseException]] = [ControlError, TransitionError, PublishError, OSError, ValueError]
+    errors: list[type[BaseException]] = [ControlError, RepositoryError, OSError, ValueError]
     try:
         from botocore.exceptions import BotoCoreError, ClientError
 

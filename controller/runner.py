@@ -19,7 +19,7 @@ from controller.fleet import ControlledServer, FleetSpec, ServerSet
 from controller.leader import LeaderElection
 from controller.metrics import ControllerMetrics
 from controller.reconcile import Controller, PassReport
-from controller.state_store import StateStore
+from repository.state_store import StateStore
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import uuid
 
-from controller.errors import ControlError, StateConflict
-from controller.state_store import StateStore
+from controller.errors import ControlError
+from repository.errors import StateConflict
+from repository.state_store import StateStore
 
 
 class UnsafeStore(ControlError):

@@ -16,8 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
-from controller.desired_state import Canary
 from gateway.fleet.traffic_tally import ModelTally, Role, RoleTally, TrafficReport
+from repository.desired_state import Canary
 
 Decision = Literal["wait", "pass", "fail"]
 

@@ -9,9 +9,10 @@ COPY pyproject.toml README.md ./
 COPY skewserve ./skewserve
 COPY gateway ./gateway
 # The controller (`skewserve controller`) runs from this image too; it reads model cards and configs
-# through exporter/'s light modules only (no torch, no ONNX; tests/deploy checks the list).
+# through repository/ and exporter/'s light modules only (no torch, no ONNX; tests/deploy checks the list).
 COPY controller ./controller
-COPY exporter/__init__.py exporter/contract.py exporter/errors.py exporter/object_store.py exporter/plans.py exporter/publish.py exporter/target.py exporter/triton_config.py ./exporter/
+COPY repository ./repository
+COPY exporter/__init__.py exporter/contract.py exporter/errors.py exporter/plans.py exporter/target.py exporter/triton_config.py ./exporter/
 COPY training/__init__.py training/data_spec.py ./training/
 # --prefix: everything the gateway needs lands in /install, copied alone into the runtime stage.
 COPY deploy/gateway.constraints.txt ./

@@ -1,8 +1,7 @@
-"""Exception tree of the exporter.
+"""Exception tree of the exporter (publishing errors are the repository's: repository/errors.py).
 
 ExportError
  +-- ParityError        the compiled model disagrees with PyTorch; the message has the figures
- +-- PublishError       a version cannot be published (exists, lock, bad repository)
  +-- TensorRTUnavailable  --tensorrt on without a CUDA GPU or the tensorrt package
 """
 
@@ -12,10 +11,6 @@ class ExportError(Exception):
 
 
 class ParityError(ExportError):
-    pass
-
-
-class PublishError(ExportError):
     pass
 
 

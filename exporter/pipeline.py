@@ -6,10 +6,11 @@ import hashlib
 import json
 import logging
 import shutil
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import onnx
 
@@ -32,12 +33,23 @@ from exporter.parity import (
     torchscript_runner,
     validation_batches,
 )
-from exporter.publish import CARD, Published, new_staging_dir, publish_version
+from exporter.raw_inputs import publish_raw_models
 from exporter.target import TARGET
-from exporter.triton_config import LOCAL_PROFILE, ConfigOptions, gpu_config, local_config, render
-
-if TYPE_CHECKING:
-    from exporter.tensorrt_build import TensorRTOptions
+from exporter.tensorrt_build import (
+    TensorRTOptions,
+    build_plans,
+    resolve_mode,
+    tensorrt_runner,
+    tensorrt_unavailable_reason,
+)
+from exporter.triton_config import ConfigOptions, gpu_config, local_config
+from repository.backend import recorded_backend
+from repository.disk import new_staging_dir
+from repository.layout import CARD, MODEL_FILE_ORDER, Published
+from repository.model_config import LOCAL_PROFILE, render
+from repository.object_publish import publish_version as publish_to_object_store
+from repository.publish import publish_version
+from repository.s3 import ObjectRepository, is_object_store_url, store_errors
 from training.artifact import load_model
 
 logger = logging.getLogger(__name__)
@@ -98,8 +110,6 @@ def _use_tensorrt(
     mode: str, fmt: str, kept: str | None, change_backend: bool, opts: ConfigOptions, notices: list[str]
 ) -> bool:
     """Whether this export builds plans: the model's recorded backend decides `auto`, not the host."""
-    from exporter.tensorrt_build import resolve_mode, tensorrt_unavailable_reason
-
     if mode not in {"auto", "on", "off"}:
         raise ExportError(f"--tensorrt must be auto, on or off, got {mode!r}")
     if fmt == "torchscript":
@@ -142,20 +152,40 @@ def export_artifact(
 ) -> ExportResult:
     """Export, verify and publish one version; nothing becomes visible unless every check passed.
 
-    `repo` is a folder, or `s3://bucket/prefix` for a repository on object storage. `fmt` is `onnx`
-    (onnxruntime backend, or TensorRT plans built from the ONNX graph) or `torchscript` (libtorch).
+    `repo` is a folder, or `s3://bucket/prefix` for a repository on object storage (exported and
+    checked in a private folder exactly as for disk, then uploaded: repository/object_publish.py).
+    `fmt` is `onnx` (onnxruntime backend, or TensorRT plans built from the ONNX graph) or
+    `torchscript` (libtorch).
     """
-    from exporter.backend import recorded_backend
-    from exporter.object_store import export_to_object_store, is_object_store_url
-    from exporter.tensorrt_build import TensorRTOptions, build_plans, tensorrt_runner
+    how = dict(precision=precision, tensorrt=tensorrt, options=options, fmt=fmt, trt_options=trt_options)
+    if not is_object_store_url(repo):
+        return _export_to_disk(artifact, Path(repo), name, version, change_backend=change_backend, **how)  # type: ignore[arg-type]
+    store = ObjectRepository.parse(str(repo))
+    with tempfile.TemporaryDirectory(prefix="skewserve-s3-staging-") as tmp:
+        result = _export_to_disk(artifact, Path(tmp), name, None, change_backend=change_backend, **how)  # type: ignore[arg-type]
+        model_dir = Path(tmp) / name
+        model_files = {
+            rel: (model_dir / rel).read_text() for rel in MODEL_FILE_ORDER if (model_dir / rel).is_file()
+        }
+        with store_errors(store):
+            published = publish_to_object_store(
+                store, name, result.published.path, model_files, version, allow_backend_change=change_backend
+            )
+    return replace(result, published=replace(published, path=Path(f"{store.url}/{name}/{published.version}")))
 
-    if is_object_store_url(repo):
-        return export_to_object_store(
-            export_artifact, artifact, str(repo), name, version,
-            precision=precision, tensorrt=tensorrt, options=options, fmt=fmt,
-            trt_options=trt_options, change_backend=change_backend,
-        )  # fmt: skip
 
+def _export_to_disk(
+    artifact: Path,
+    repo: Path,
+    name: str,
+    version: int | None,
+    precision: str,
+    tensorrt: str,
+    options: ConfigOptions | None,
+    fmt: str,
+    trt_options: TensorRTOptions | None,
+    change_backend: bool,
+) -> ExportResult:
     if precision not in ("fp32", "fp16"):
         raise ExportError(f"--precision must be fp32 or fp16, got {precision!r}")
     if fmt not in FORMATS:
@@ -298,8 +328,6 @@ def export_artifact(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    from exporter.raw_inputs import publish_raw_models
-
     raw_models = publish_raw_models(Path(repo), name, published.version, meta, contract, opts)
     if not use_trt and tensorrt == "auto" and fmt == "onnx" and not notices and opts.ort_tensorrt == "off":
         notices.append("TensorRT plan skipped (no GPU / tensorrt here)")

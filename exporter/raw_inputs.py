@@ -20,8 +20,11 @@ from typing import Any
 from tritonclient.grpc import model_config_pb2 as mc
 
 from exporter.contract import ServingContract
-from exporter.publish import CARD, Published, new_staging_dir, publish_version
-from exporter.triton_config import _DTYPES, LOCAL_PROFILE, ConfigOptions, render
+from exporter.triton_config import DTYPES, ConfigOptions
+from repository.disk import new_staging_dir
+from repository.layout import CARD, Published
+from repository.model_config import LOCAL_PROFILE, render
+from repository.publish import publish_version
 
 RAW_INPUT = "raw"
 PREPROCESS_SUFFIX = "_preprocess"
@@ -46,7 +49,7 @@ def _preprocess_config(
     spec = next(t for t in contract.inputs if t.name == target)
     cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=opts.max_batch_size)
     cfg.input.add(name=RAW_INPUT, data_type=mc.TYPE_STRING, dims=[1])
-    cfg.output.add(name=spec.name, data_type=_DTYPES[spec.triton_dtype], dims=list(spec.dims))
+    cfg.output.add(name=spec.name, data_type=DTYPES[spec.triton_dtype], dims=list(spec.dims))
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=opts.cpu_instances)
     cfg.version_policy.latest.num_versions = opts.keep_versions
     return cfg
@@ -58,7 +61,7 @@ def _ensemble_config(
     cfg = mc.ModelConfig(name=name, platform="ensemble", max_batch_size=opts.max_batch_size)
     cfg.input.add(name=RAW_INPUT, data_type=mc.TYPE_STRING, dims=[1])
     for out in contract.outputs:
-        t = cfg.output.add(name=out.name, data_type=_DTYPES[out.triton_dtype], dims=list(out.dims))
+        t = cfg.output.add(name=out.name, data_type=DTYPES[out.triton_dtype], dims=list(out.dims))
         if out.label_filename:
             t.label_filename = out.label_filename
     pre = cfg.ensemble_scheduling.step.add(model_name=model + PREPROCESS_SUFFIX, model_version=version)

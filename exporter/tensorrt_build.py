@@ -27,6 +27,7 @@ from exporter.plans import (
     TensorRTBuild,
     capability_tuple,
     plan_filename,
+    tensorrt_version_mismatch,
 )
 from exporter.target import TARGET
 
@@ -76,8 +77,6 @@ def check_builder_version(
     installed: str, opts: TensorRTOptions, target: str = TARGET.tensorrt_version
 ) -> None:
     """Refuse to build a plan the pinned serving image could not load."""
-    from exporter.plans import tensorrt_version_mismatch
-
     reason = tensorrt_version_mismatch(installed, target, opts.version_compatible)
     if reason is not None:
         raise TensorRTUnavailable(

@@ -10,18 +10,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from google.protobuf import text_format
 from pydantic import BaseModel, Field
 from tritonclient.grpc import model_config_pb2 as mc
 
 from exporter.contract import ServingContract, TensorSpec
+from repository.model_config import BACKENDS, MODEL_FILES
 
-LOCAL_PROFILE = "local"
-# Triton's backend names: what a model's GPU profile runs on (exporter/backend.py keeps it per model).
-ServingBackend = Literal["onnxruntime", "tensorrt", "pytorch"]
-BACKENDS: tuple[str, ...] = ("onnxruntime", "tensorrt", "pytorch")
-MODEL_FILES = {"onnxruntime": "model.onnx", "tensorrt": "model.plan", "pytorch": "model.pt"}
-_DTYPES = {
+DTYPES = {
     "FP32": mc.TYPE_FP32,
     "FP16": mc.TYPE_FP16,
     "INT64": mc.TYPE_INT64,
@@ -57,7 +52,7 @@ def _tensors(container: object, specs: tuple[TensorSpec, ...]) -> None:
     for spec in specs:
         t = container.add()  # type: ignore[attr-defined]
         t.name = spec.name
-        t.data_type = _DTYPES[spec.triton_dtype]
+        t.data_type = DTYPES[spec.triton_dtype]
         t.dims.extend(spec.dims)
         if spec.label_filename:
             t.label_filename = spec.label_filename
@@ -75,7 +70,7 @@ def _common(name: str, contract: ServingContract, opts: ConfigOptions) -> mc.Mod
     for spec in contract.inputs:
         # Warm-up needs concrete dims: a dynamic one takes the typical (median) training length.
         typical = iter(r[1] for r in spec.ranges)
-        warm.inputs[spec.name].data_type = _DTYPES[spec.triton_dtype]
+        warm.inputs[spec.name].data_type = DTYPES[spec.triton_dtype]
         warm.inputs[spec.name].dims.extend(next(typical, 8) if d == -1 else d for d in spec.dims)
         if spec.triton_dtype in ("FP32", "FP16", "UINT8"):
             warm.inputs[spec.name].random_data = True
@@ -144,19 +139,8 @@ def gpu_config(
     return cfg
 
 
-def required_files(cfg: mc.ModelConfig) -> set[str]:
-    """Files a version folder must hold for Triton to load it with this GPU config."""
-    return {cfg.default_model_filename, *cfg.cc_model_filenames.values()} - {""}
 
 
-def backend_of(cfg: mc.ModelConfig) -> str:
-    """Triton's backend name for a GPU config (platform names map onto their backends)."""
-    by_platform = {
-        "tensorrt_plan": "tensorrt",
-        "pytorch_libtorch": "pytorch",
-        "onnxruntime_onnx": "onnxruntime",
-    }
-    return cfg.backend or by_platform.get(cfg.platform, cfg.platform)
 
 
 def local_config(
@@ -172,13 +156,3 @@ def local_config(
         cfg.parameters["onnx_file"].string_value = MODEL_FILES["onnxruntime"]
     cfg.parameters["intra_op_threads"].string_value = str(opts.ort_threads)
     return cfg
-
-
-def render(cfg: mc.ModelConfig) -> str:
-    text = text_format.MessageToString(cfg)
-    parse(text)  # every config we write must parse against Triton's schema
-    return text
-
-
-def parse(text: str) -> mc.ModelConfig:
-    return text_format.Parse(text, mc.ModelConfig())

@@ -136,7 +136,7 @@ class Demo:
     def _rollout(self, stack: Any, versions: dict[str, int]) -> None:
         """A published version serves only once rolled out (a model's first version serves at once)."""
         from controller.rollout import rollout
-        from controller.state_store import DiskStateStore
+        from repository.disk_store import DiskStateStore
 
         store = DiskStateStore(self.repo.resolve())
         for name, version in versions.items():

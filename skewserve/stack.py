@@ -271,7 +271,7 @@ class LocalStack:
         key_file.touch(mode=0o600)
         key_file.write_text(self.control_key)
         from controller.fleet import fleet_config
-        from controller.state_store import DiskStateStore
+        from repository.disk_store import DiskStateStore
 
         gw = fleet_config(self.gateway_config_path)
         self.controller = ControllerThread(

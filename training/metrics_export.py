@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-if TYPE_CHECKING:
-    from training.monitor import StepRecord
+from training.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
 

@@ -18,22 +18,7 @@ import torch
 import torch.distributed as dist
 
 from training.metrics_export import rank_exporter
-
-
-@dataclass
-class StepRecord:
-    rank: int
-    epoch: int
-    step: int
-    samples: int
-    compute_s: float
-    data_wait_s: float
-    allreduce_wait_s: float
-    step_s: float
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.compute_s if self.compute_s > 0 else 0.0
+from training.step_record import StepRecord
 
 
 @dataclass

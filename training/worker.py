@@ -58,10 +58,11 @@ from training.factory import build as build_model
 from training.factory import check_output
 from training.losses import SkewLoss
 from training.metrics import classification_report
-from training.monitor import SkewMonitor, StepRecord
+from training.monitor import SkewMonitor
 from training.progress import EpochProgress
 from training.sampler import ClassBalancedSampler
 from training.speed_balance import RankSpeedBalancer, slice_for_rank
+from training.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
 # Fields whose change makes a checkpoint meaningless to resume.

@@ -12,9 +12,10 @@ from controller.api_auth import CallerTokens
 from controller.config import ControllerConfig
 from controller.fleet import ControlledServer, FleetSpec
 from controller.runner import ControllerThread
-from controller.state_store import DiskStateStore, StateStore
 from controller.triton_admin import TritonAdmin, restricted_api_args
 from gateway.config import RegionConfig, ServerConfig
+from repository.disk_store import DiskStateStore
+from repository.state_store import StateStore
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
 from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway

@@ -15,7 +15,7 @@ import pytest
 from controller.config import ControllerConfig
 from controller.placement import CopyBounds, PlacementConfig
 from controller.runner import ControllerThread
-from controller.state_store import DiskStateStore
+from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
 from tests.controller.conftest import controlled_server, controller_and_gateway

@@ -27,8 +27,8 @@ from controller.demand_api import DemandApi
 from controller.fleet import FleetSpec
 from controller.placement import CopyBounds, PlacementConfig
 from controller.runner import ControllerThread
-from controller.state_store import DiskStateStore
 from gateway.config import RegionConfig, ServerConfig
+from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
 from tests.controller.conftest import GATEWAY_TOKEN, KEY, controlled_server

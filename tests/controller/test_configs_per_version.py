@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from controller.desired_state import TrafficGate
-from controller.errors import StateConflict
 from controller.reconcile import Controller
 from controller.rollout import rollback, rollout
-from controller.state_store import DiskStateStore
 from controller.triton_admin import TritonAdmin
 from exporter.pipeline import export_artifact
-from exporter.publish import VERSION_CONFIGS
-from exporter.triton_config import ConfigOptions, parse
+from exporter.triton_config import ConfigOptions
+from repository.desired_state import TrafficGate
+from repository.disk_store import DiskStateStore
+from repository.errors import StateConflict
+from repository.layout import VERSION_CONFIGS
+from repository.model_config import parse
 from skewserve.triton_dist import PreparedTriton
 from tests.controller.conftest import CFG, KEY, as_controlled, controlled_server, loaded
 

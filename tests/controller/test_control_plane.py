@@ -15,8 +15,8 @@ import pytest
 
 from controller.reconcile import Controller
 from controller.rollout import rollback, rollout
-from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
+from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
 from tests.controller.conftest import CFG, KEY, as_controlled, controlled_server, loaded

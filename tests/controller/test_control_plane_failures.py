@@ -16,8 +16,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from controller.reconcile import Controller
-from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
+from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
 from tests.controller.conftest import CFG, KEY, as_controlled, controlled_server, loaded
 from tests.gateway.conftest import gateway_config, launch_gateway
@@ -89,7 +89,7 @@ def test_a_version_failing_on_one_server_and_a_controller_killed_mid_rollout(
         cmd = [
             sys.executable,
             "-m",
-            "skewserve.cli",
+            "skewserve",
             "rollout",
             "other",
             "--version",

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from controller.api_auth import CallerTokens
-from controller.desired_state import DesiredState, TrafficGate
 from controller.fleet import FleetSpec
 from controller.runner import ControllerThread
 from gateway.config import RegionConfig, ServerConfig
 from gateway.fleet.traffic_tally import ModelTally, RoleTally, TrafficReport
+from repository.desired_state import DesiredState, TrafficGate
 from skewserve.triton_dist import PreparedTriton
 from tests.controller.conftest import CFG, KEY, controlled_server, two_versions
 from tests.waiting import wait_until

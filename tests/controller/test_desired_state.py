@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.desired_state import DesiredState
-from controller.errors import StateConflict, TransitionError
-from controller.state_store import DiskStateStore
+from repository.desired_state import DesiredState
+from repository.disk_store import DiskStateStore
+from repository.errors import StateConflict, TransitionError
 
 
 def test_first_version_is_served_later_ones_only_published() -> None:

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from controller.desired_state import DesiredState
 from controller.reconcile import Controller
-from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
-from exporter.publish import CARD
+from repository.desired_state import DesiredState
+from repository.disk_store import DiskStateStore
+from repository.layout import CARD
 from skewserve.triton_dist import PreparedTriton
 from tests.controller.conftest import CFG, KEY, as_controlled, controlled_server, loaded
 

@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from controller.config import ControllerConfig
-from controller.desired_state import DesiredState
 from controller.reconcile import Controller, PassReport
-from controller.state_store import DiskStateStore, ObjectStateStore, StateStore
-from exporter.object_store import s3_client
-from exporter.triton_config import parse
+from repository.desired_state import DesiredState
+from repository.disk_store import DiskStateStore
+from repository.model_config import parse
+from repository.object_store import ObjectStateStore
+from repository.s3 import s3_client
+from repository.state_store import StateStore
 from tests.deploy.conftest import s3_env, s3_server  # noqa: F401  (fixtures)
 
 CONFIG = 'name: "m"\nversion_policy { latest { num_versions: 1 } }\nmax_batch_size: 8\nbackend: "python"\n'

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from controller.leader import LeaderElection
-from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
+from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
 from tests.controller.conftest import KEY, controlled_server, loaded
 from tests.waiting import wait_until
@@ -72,7 +72,7 @@ def test_of_two_replicas_racing_for_a_free_lease_one_wins(tmp_path: Path) -> Non
 
 
 def _controller(repo: Path, config: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    cmd = [sys.executable, "-m", "skewserve.cli", "controller", "--config", str(config), "--repo", str(repo)]
+    cmd = [sys.executable, "-m", "skewserve", "controller", "--config", str(config), "--repo", str(repo)]
     cmd += ["--interval", "0.5", "--listen", "127.0.0.1:0", "--leader-election", "--leader-lease", "3"]
     env = {**os.environ, "SKEWSERVE_CONTROL_KEY": KEY, "PYTHONUNBUFFERED": "1"}
     handle = open(log, "wb")

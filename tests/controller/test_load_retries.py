@@ -12,9 +12,9 @@ from controller.config import ControllerConfig
 from controller.errors import RolloutError
 from controller.reconcile import Controller
 from controller.rollout import rollout
-from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
-from exporter.publish import VERSION_CONFIGS
+from repository.disk_store import DiskStateStore
+from repository.layout import VERSION_CONFIGS
 from skewserve.triton_dist import PreparedTriton
 from tests.controller.conftest import KEY, as_controlled, controlled_server, loaded
 from tests.gateway.test_units import FakeClock

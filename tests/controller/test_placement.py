@@ -14,7 +14,7 @@ import pytest
 from controller.config import ControllerConfig
 from controller.placement import PlacementConfig
 from controller.reconcile import Controller, PassReport
-from controller.state_store import DiskStateStore
+from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
 from tests.controller.conftest import KEY, as_controlled, controlled_server, loaded

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from controller.config import ControllerConfig
-from controller.desired_state import DesiredState, TrafficGate
 from controller.triton_admin import TritonAdmin
+from repository.desired_state import DesiredState, TrafficGate
 from skewserve.triton_dist import PreparedTriton
 from tests.controller.conftest import CFG, KEY, controlled_server, controller_and_gateway, two_versions
 from tests.waiting import wait_until

@@ -9,14 +9,14 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from controller.desired_state import DesiredState
-from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
+from repository.desired_state import DesiredState
+from repository.disk_store import DiskStateStore
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "skewserve.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "skewserve", *args], capture_output=True, text=True, timeout=120
     )
 
 

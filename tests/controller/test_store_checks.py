@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from controller.desired_state import DesiredState
-from controller.errors import StateConflict
-from controller.state_store import ObjectStateStore
 from controller.store_probe import UnsafeStore, check_conditional_writes
-from exporter.object_store import ObjectRepository
+from repository.desired_state import DesiredState
+from repository.errors import StateConflict
+from repository.object_store import ObjectStateStore
+from repository.s3 import ObjectRepository
 from tests.deploy.conftest import CREDENTIALS, S3Server, s3_server  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.slow
@@ -84,7 +84,7 @@ def test_an_s3_compatible_store_named_as_triton_names_it_and_probed(
     )
     missing = f"s3://{hostport}/no-such-bucket"
     res = subprocess.run(
-        [sys.executable, "-m", "skewserve.cli", "controller", "--config", str(config), "--repo", missing],
+        [sys.executable, "-m", "skewserve", "controller", "--config", str(config), "--repo", missing],
         capture_output=True,
         text=True,
         timeout=120,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from controller.desired_state import Canary, TrafficGate
 from controller.traffic_gate import TrafficReports, describe, verdict
 from gateway.fleet.traffic_tally import ClassTally, ModelTally, RoleTally, TrafficReport
+from repository.desired_state import Canary, TrafficGate
 
 GATE = TrafficGate(
     min_requests=10, min_per_class=5, agreement=0.9, max_error_rate=0.05, max_p99_ratio=2.0, max_wait_s=60

@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-from controller.desired_state import DesiredState, TrafficGate
 from controller.rollout import RolloutResult, rollback, rollout
 from controller.runner import ControllerThread
-from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
 from gateway.fleet.traffic import Traffic
+from repository.desired_state import DesiredState, TrafficGate
+from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
 from tests.controller.conftest import (

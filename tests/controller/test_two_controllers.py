@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from controller.config import ControllerConfig
-from controller.desired_state import DesiredState
 from controller.reconcile import Controller
+from repository.desired_state import DesiredState
 from skewserve.triton_dist import PreparedTriton
 from tests.controller.conftest import KEY, as_controlled, controlled_server, loaded, two_versions
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from controller.desired_state import STATE_FILE, DesiredState
-from controller.errors import NewerRecord
 from controller.reconcile import Controller
-from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
+from repository.desired_state import STATE_FILE, DesiredState
+from repository.disk_store import DiskStateStore
+from repository.errors import NewerRecord
 from skewserve.triton_dist import PreparedTriton
 from tests.controller.conftest import CFG, KEY, as_controlled, controlled_server, loaded, two_versions
 

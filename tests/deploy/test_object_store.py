@@ -16,12 +16,13 @@ import tritonclient.http as httpclient
 
 from controller.errors import RolloutError
 from controller.rollout import rollout, static_servers
-from controller.state_store import ObjectStateStore
-from exporter.errors import PublishError
-from exporter.object_store import CLAIMS, ObjectRepository, published_versions, s3_client
 from exporter.pipeline import export_artifact
-from exporter.publish import VERSION_CONFIGS
-from exporter.triton_config import parse
+from repository.errors import PublishError
+from repository.layout import VERSION_CONFIGS
+from repository.model_config import parse
+from repository.object_publish import CLAIMS
+from repository.object_store import ObjectStateStore
+from repository.s3 import ObjectRepository, published_versions, s3_client
 from tests.deploy.conftest import HoldingProxy, S3Server
 from tests.waiting import wait_until
 
@@ -63,7 +64,7 @@ def test_publish_twice_gives_next_version_with_configs_naming_complete_versions(
     repo = _bucket(client, "twice")
     first = export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
     second = subprocess.run(  # the command line, as a user runs it
-        [sys.executable, "-m", "skewserve.cli", "export", "--artifact", str(small_artifact)]
+        [sys.executable, "-m", "skewserve", "export", "--artifact", str(small_artifact)]
         + ["--repo", repo.url, "--name", NAME, "--tensorrt", "off"],
         env={**os.environ, **s3_env},
         capture_output=True,
@@ -131,7 +132,7 @@ def test_sigkilled_export_leaves_no_partial_version_visible(
 
     proxy = HoldingProxy(int(s3_server.endpoint.rsplit(":", 1)[1]), held)
     env = {**os.environ, **s3_env, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{proxy.port}"}
-    cmd = [sys.executable, "-m", "skewserve.cli", "export", "--artifact", str(small_artifact)]
+    cmd = [sys.executable, "-m", "skewserve", "export", "--artifact", str(small_artifact)]
     proc = subprocess.Popen(
         [*cmd, "--repo", repo.url, "--name", NAME, "--tensorrt", "off"],
         env=env,
@@ -236,7 +237,8 @@ def test_a_publisher_whose_listing_missed_a_rivals_claim_gets_412_and_takes_the_
     between this publisher's listing and its claim; the store answers 412 and it takes 3."""
     from botocore.exceptions import ClientError
 
-    import exporter.object_store as object_store
+    import repository.object_publish as object_publish
+    import repository.s3 as s3
 
     client = s3_client()
     repo = _bucket(client, "raced")
@@ -247,8 +249,8 @@ def test_a_publisher_whose_listing_missed_a_rivals_claim_gets_412_and_takes_the_
         client.put_object(Bucket=repo.bucket, Key=rival, Body=b"", IfNoneMatch="*")
     assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
 
-    listed = object_store._claimed
-    monkeypatch.setattr(object_store, "_claimed", lambda c, r, n: listed(c, r, n) - {2})  # a stale listing
+    listed = object_publish._claimed
+    monkeypatch.setattr(object_publish, "_claimed", lambda c, r, n: listed(c, r, n) - {2})  # a stale listing
     statuses: list[int] = []
     put = client.put_object
 
@@ -259,7 +261,7 @@ def test_a_publisher_whose_listing_missed_a_rivals_claim_gets_412_and_takes_the_
             statuses.append(exc.response["ResponseMetadata"]["HTTPStatusCode"])
             raise
 
-    monkeypatch.setattr(object_store, "s3_client", lambda endpoint=None: client)
+    monkeypatch.setattr(s3, "s3_client", lambda endpoint=None: client)
     monkeypatch.setattr(client, "put_object", recording_put)
     published = export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
     assert statuses == [412] and published.published.version == 3
@@ -273,7 +275,7 @@ def test_two_publishers_at_once_take_distinct_numbers_and_the_config_names_compl
     client = s3_client()
     repo = _bucket(client, "together")
     export_artifact(small_artifact, repo.url, NAME, tensorrt="off")
-    cmd = [sys.executable, "-m", "skewserve.cli", "export", "--artifact", str(small_artifact)]
+    cmd = [sys.executable, "-m", "skewserve", "export", "--artifact", str(small_artifact)]
     procs = [
         subprocess.Popen(
             [*cmd, "--repo", repo.url, "--name", NAME, "--tensorrt", "off"],

@@ -15,7 +15,7 @@ from exporter.contract import ServingContract
 from exporter.errors import ExportError
 from exporter.pipeline import export_artifact
 from exporter.tensorrt_build import profile_shapes
-from exporter.triton_config import parse
+from repository.model_config import parse
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
 from training.config import TrainConfig
@@ -198,7 +198,7 @@ def test_raw_text_through_the_ensemble_equals_token_ids(topics_served) -> None:
 def test_a_version_with_other_tensors_is_refused_naming_them_readably(
     small_artifact: Path, mixed_artifact: Path, tmp_path: Path
 ) -> None:
-    from exporter.errors import PublishError
+    from repository.errors import PublishError
 
     export_artifact(small_artifact, tmp_path, "m", tensorrt="off")
     with pytest.raises(
@@ -214,7 +214,7 @@ def test_export_prints_each_result_once(small_artifact: Path, tmp_path: Path) ->
     import sys
 
     res = subprocess.run(
-        [sys.executable, "-m", "skewserve.cli", "export", "--artifact", str(small_artifact), "--repo",
+        [sys.executable, "-m", "skewserve", "export", "--artifact", str(small_artifact), "--repo",
          str(tmp_path), "--name", "once", "--tensorrt", "off"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

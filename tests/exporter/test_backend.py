@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from exporter.backend import BACKEND_FILE, recorded_backend
-from exporter.errors import PublishError
 from exporter.pipeline import export_artifact
-from exporter.publish import published_versions
-from exporter.triton_config import ConfigOptions, parse
+from exporter.triton_config import ConfigOptions
+from repository.backend import BACKEND_FILE, recorded_backend
+from repository.disk import published_versions
+from repository.errors import PublishError
+from repository.model_config import parse
 
 
 def _leftovers(model_dir: Path) -> list[str]:
@@ -69,7 +70,7 @@ def test_recorded_tensorrt_backend_without_a_gpu_is_a_clear_error(
     CPU-only host, so a machine with a GPU tests this path too."""
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / BACKEND_FILE).write_text(json.dumps({"backend": "tensorrt"}))
-    cmd = [sys.executable, "-m", "skewserve.cli", "export", "--artifact", str(small_artifact)]
+    cmd = [sys.executable, "-m", "skewserve", "export", "--artifact", str(small_artifact)]
     cmd += ["--repo", str(tmp_path), "--name", "m", "--tensorrt", "auto"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
@@ -83,7 +84,7 @@ def test_recorded_tensorrt_backend_without_a_gpu_is_a_clear_error(
 
 
 def test_cli_export_options(small_artifact: Path, tmp_path: Path) -> None:
-    base = [sys.executable, "-m", "skewserve.cli", "export", "--artifact", str(small_artifact)]
+    base = [sys.executable, "-m", "skewserve", "export", "--artifact", str(small_artifact)]
     base += ["--repo", str(tmp_path), "--name", "m"]
     res = subprocess.run([*base, "--ort-tensorrt", "int4"], capture_output=True, text=True)
     assert res.returncode == 2 and "ort_tensorrt" in res.stdout + res.stderr

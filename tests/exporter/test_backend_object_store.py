@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from exporter.errors import PublishError
-from exporter.object_store import ObjectRepository, published_versions, s3_client
 from exporter.pipeline import export_artifact
 from exporter.triton_config import ConfigOptions
+from repository.errors import PublishError
+from repository.s3 import ObjectRepository, published_versions, s3_client
 from tests.deploy.conftest import s3_env, s3_server  # noqa: F401  (fixtures)
 
 

@@ -14,13 +14,15 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from exporter.contract import ServingContract
-from exporter.errors import ParityError, PublishError
+from exporter.errors import ParityError
 from exporter.graph import ServingModule
 from exporter.parity import compare, require, torch_runner
 from exporter.pipeline import export_artifact
-from exporter.publish import published_versions
 from exporter.tensorrt_build import tensorrt_unavailable_reason
-from exporter.triton_config import ConfigOptions, gpu_config, local_config, parse, render
+from exporter.triton_config import ConfigOptions, gpu_config, local_config
+from repository.disk import published_versions
+from repository.errors import PublishError
+from repository.model_config import parse, render
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
 from training.artifact import load_model
@@ -167,7 +169,7 @@ def test_concurrent_exports_take_distinct_versions(small_artifact: Path, tmp_pat
     cmd = [
         sys.executable,
         "-m",
-        "skewserve.cli",
+        "skewserve",
         "export",
         "--artifact",
         str(small_artifact),
@@ -208,7 +210,7 @@ def _export_cli(artifact: Path, repo: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "skewserve.cli",
+        "skewserve",
         "export",
         "--artifact",
         str(artifact),

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from exporter.backend import BACKEND_FILE
 from exporter.pipeline import export_artifact
-from exporter.publish import CARD, STAGING_PREFIX, model_lock, published_versions
-from exporter.triton_config import parse
+from repository.backend import BACKEND_FILE
+from repository.disk import model_lock, published_versions
+from repository.layout import CARD, STAGING_PREFIX
+from repository.model_config import parse
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
 
@@ -67,7 +68,7 @@ def _check_repository(model_dir: Path, before: dict[str, str], classes: list[str
 
 
 def _spawn_export(artifact: Path, repo: Path, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "skewserve.cli", "export", "--artifact", str(artifact), "--repo", str(repo)]
+    cmd = [sys.executable, "-m", "skewserve", "export", "--artifact", str(artifact), "--repo", str(repo)]
     with open(log, "ab") as out:
         return subprocess.Popen([*cmd, "--name", MODEL, "--tensorrt", "off"], stdout=out, stderr=out)
 
@@ -184,7 +185,7 @@ def test_sigkilled_exports_never_expose_a_partial_version(
         import tritonclient.http as httpclient
 
         client = httpclient.InferenceServerClient(server.http_address)
-        from controller.state_store import DiskStateStore
+        from repository.disk_store import DiskStateStore
 
         state = DiskStateStore(repo).current(MODEL)
         assert state is not None and set(state.versions) <= set(published_versions(model_dir))

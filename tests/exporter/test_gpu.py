@@ -25,7 +25,7 @@ from exporter.parity import (
     validation_batches,
 )
 from exporter.pipeline import export_artifact
-from exporter.triton_config import parse
+from repository.model_config import parse
 from training.artifact import load_model
 
 pytestmark = [

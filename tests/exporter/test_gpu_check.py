@@ -15,7 +15,7 @@ import tomllib
 import typer
 
 from exporter.target import TARGET
-from skewserve.cli import app
+from skewserve.commands.main import app
 
 ROOT = Path(__file__).resolve().parents[2]
 

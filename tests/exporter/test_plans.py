@@ -24,7 +24,8 @@ from exporter.plans import (
 )
 from exporter.target import TARGET
 from exporter.tensorrt_build import TensorRTOptions, check_builder_version
-from exporter.triton_config import ConfigOptions, gpu_config, local_config, render, required_files
+from exporter.triton_config import ConfigOptions, gpu_config, local_config
+from repository.model_config import render, required_files
 
 CONTRACT = ServingContract.table(3, ("a", "b"))
 

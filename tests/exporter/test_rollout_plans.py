@@ -19,10 +19,10 @@ from controller.config import ControllerConfig
 from controller.errors import RolloutError
 from controller.rollout import rollout as rollout_to
 from controller.rollout import static_servers
-from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
 from exporter.plans import PlanRecord, TensorRTBuild
 from exporter.target import TARGET
+from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
 
@@ -109,7 +109,7 @@ def test_plan_version_is_refused_by_what_the_server_reports(
         # the command's options reach the check: with the server's TensorRT stated as the plan's own,
         # only the stated GPU capability is left to refuse it
         res = subprocess.run(
-            [sys.executable, "-m", "skewserve.cli", "rollout", "lt", "--version", "2", "--repo", str(repo),
+            [sys.executable, "-m", "skewserve", "rollout", "lt", "--version", "2", "--repo", str(repo),
              "--servers", cold.http_url, "--server-tensorrt", "10.3.0", "--gpu-capability", "7.5"],
             capture_output=True, text=True,
         )  # fmt: skip

@@ -15,7 +15,7 @@ from exporter.errors import ExportError, ParityError
 from exporter.graph import ServingModule
 from exporter.parity import compare, require, torch_runner, torchscript_runner
 from exporter.pipeline import export_artifact
-from exporter.triton_config import parse
+from repository.model_config import parse
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
 from training.artifact import load_model

@@ -15,10 +15,10 @@ import redis
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from controller.desired_state import DesiredState
-from controller.state_store import DiskStateStore
 from exporter.pipeline import export_artifact
 from gateway.state.cache import MemoryCache
+from repository.desired_state import DesiredState
+from repository.disk_store import DiskStateStore
 from tests.gateway.conftest import gateway_config, start_fleet, stop_fleet, wait_until
 
 SECRET = "0123456789abcdef-test-secret"

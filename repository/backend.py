@@ -14,8 +14,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from exporter.errors import PublishError
-from exporter.triton_config import BACKENDS, backend_of, parse, required_files
+from repository.errors import PublishError
+from repository.model_config import BACKENDS, backend_of, parse, required_files
 
 BACKEND_FILE = "serving_backend.json"
 
@@ -42,13 +42,9 @@ def check_backend_change(
     gpu_config_text: str,
     published: list[int],
     allow_change: bool,
+    served: list[int],
 ) -> str:
     """`check_backend_change_of` for a model folder on disk."""
-    from controller.state_store import DiskStateStore
-
-    store = DiskStateStore(model_dir.parent)
-    state, _ = store.read(model_dir.name)
-    served = (state or store.adopt(model_dir.name)).served
     return check_backend_change_of(
         model_dir.name,
         recorded_backend(model_dir),

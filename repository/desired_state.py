@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from controller.errors import TransitionError
+from repository.errors import TransitionError
 
 STATE_FILE = "desired_state.json"
 # The record's format. Readers keep fields they do not know (a newer controller's, in another
