@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 LOCK_ARGS ?=
 
-.PHONY: setup demo test test-latest lock lock-upgrade lint bench-training bench-gateway bench-placement clean
+.PHONY: setup demo test test-latest lock lock-upgrade lint bench-training bench-gateway bench-placement chaos clean
 
 setup: $(STAMP) $(APT_STAMP)
 
@@ -118,13 +118,22 @@ bench-gateway: setup
 bench-placement: setup
 	$(BIN)/python benchmarks/placement_bench.py
 
+# The control plane under faults (benchmarks/chaos.py): MINUTES of skewed locust traffic through the gateway
+# while 5% of storage calls fail, the controller leader is killed every 60 s and a tritonserver every 90 s,
+# and a rollout and a rollback run; prints failed requests, unloads of served versions, time to converge
+# after each fault and promotions. A benchmark, not a test: its figures go in the README.
+MINUTES ?= 10
+SEED ?= 0
+chaos: setup
+	$(BIN)/python benchmarks/chaos.py --minutes $(MINUTES) --seed $(SEED)
+
 clean:
 	rm -rf $(VENV) $(VENV_LATEST) $(TOOLS) runs demo-output .pytest_cache
 
 # What only a CUDA GPU can show (scripts/gpu_check.py, under 8 minutes on one GPU): CUDA training in bf16
 # and fp16, TensorRT FP32/FP16 plans with parity, TorchScript and the ONNX Runtime CUDA provider, and the
 # tests marked `gpu`. Not tied to `setup`, which installs the CPU build of torch: run it with an interpreter
-# holding a CUDA torch, the `gpu` extra and onnxruntime-gpu instead of onnxruntime (README, "GPU check").
+# holding a CUDA torch, the `gpu` extra and onnxruntime-gpu instead of onnxruntime (docs/export.md#gpu-check).
 # Without a usable GPU it exits 3 and says why.
 GPU_PYTHON ?= $(BIN)/python
 .PHONY: gpu-check

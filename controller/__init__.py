@@ -1,2 +1,2 @@
 """The model control plane: what each model serves (desired state, kept in the repository), and the
-loop that makes every discovered Triton server serve exactly that (see README, "Control plane")."""
+loop that makes every discovered Triton server serve exactly that (docs/control-plane.md)."""

@@ -17,6 +17,9 @@ Both need `Authorization: Bearer <token>` when the controller has callers' token
 bounded: asks name a model of the repository and a region of the fleet, reports keep only tallies
 of canaries running now, filed under the caller. A standby replica (leader election) answers 503
 `standby`. `/healthz`, `/readyz` (the leader, ready to reconcile) and `/metrics` need no token.
+
+`GET /v1/servers/ready?server=NAME-OR-HOST` answers whether a server serves what the desired state
+wants on it (controller/server_readiness.py): the startup gate of the Triton pods.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from controller.api_auth import CallerTokens
+from controller.server_readiness import find
 from controller.traffic_gate import ReportRefused
 from gateway.fleet.traffic_tally import TrafficReport
 
@@ -73,6 +77,7 @@ class DemandApi:
         app = web.Application(client_max_size=MAX_REPORT_BODY, middlewares=[self._admit])
         app.router.add_post("/v1/demand", self.demand)
         app.router.add_post("/v1/traffic", self.traffic)
+        app.router.add_get("/v1/servers/ready", self.server_ready)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)
@@ -176,6 +181,21 @@ class DemandApi:
         if unplaced:
             return self._answer(503, "unplaced", unplaced)
         return self._answer(202, "loading", f"{model} is not loaded after {self.wait_s:.0f}s")
+
+    async def server_ready(self, request: web.Request) -> web.Response:
+        """200 once the server (`?server=` its name or its HTTP host) had loaded, when the last pass
+        looked, every version the desired state wants on it; 503 `loading` with what it lacks; 404
+        `unknown` for a server the last pass did not reach (a new pod not discovered yet)."""
+        who = request.query.get("server", "")
+        if not who or len(who) > 300:
+            return self._answer(
+                400, "invalid", "name the server: ?server=REGION/NAME or its HTTP host (a pod's IP)"
+            )
+        found = find(self.thread.controller.readiness, who)
+        if found is None:
+            return self._answer(404, "unknown", f"{who} is not among the servers the last pass reached")
+        body = {"state": "ready" if found.ready else "loading", **found.as_json()}
+        return web.json_response(body, status=200 if found.ready else 503)
 
     async def traffic(self, request: web.Request) -> web.Response:
         try:

@@ -54,7 +54,6 @@ class ControllerMetrics:
         self.leader = Gauge(
             "skewserve_controller_leader", "1 while this replica is the leader, else 0", registry=r
         )
-        self.leader.set(1)
         self._servers: set[str] = set()
 
     def observe(self, report: PassReport, seconds: float) -> None:
@@ -81,8 +80,10 @@ class ControllerMetrics:
             registry=self.registry,
         ).set_function(count)
 
-    def set_leader(self, leading: bool) -> None:
-        self.leader.set(1 if leading else 0)
+    def follow_leader(self, leading: Callable[[], bool]) -> None:
+        """The leader gauge reads the election when scraped: a replica stops leading by its own clock
+        (its renewal stalled on storage) between two attempts, and must say so at once."""
+        self.leader.set_function(lambda: 1.0 if leading() else 0.0)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -34,6 +34,7 @@ from controller.errors import ControlError
 from controller.fleet import ControlledServer
 from controller.placement import ModelView
 from controller.placement_policy import POLICIES
+from controller.server_readiness import ServerReadiness, readiness_of
 from controller.traffic_gate import TrafficReports, describe, verdict
 from controller.triton_admin import TritonAdmin, loaded_versions
 from repository.desired_state import DesiredState
@@ -103,6 +104,7 @@ class Controller:
         self.load_s: dict[str, float] = {}  # model -> seconds its loads take (EWMA)
         self.placed: dict[str, set[str]] | None = None  # server -> models it holds
         self.held_anywhere: set[str] = set()  # models some server had loaded at the pass's start
+        self.readiness: dict[str, ServerReadiness] = {}  # server -> what it lacked of what it should hold
         self._file_bytes: dict[tuple[str, tuple[int, ...]], int] = {}
         # (region, model) -> when a gateway last asked for it (epoch s); region "" for any region
         self.requested: dict[tuple[str, str], float] = {}
@@ -178,6 +180,8 @@ class Controller:
                 list(
                     pool.map(lambda item: self._converge(item[0], item[1], states, report), reachable.items())
                 )
+            # a server this pass could not reach (or no longer found) is not known to serve anything
+            self.readiness = {s.name: self.readiness[s.name] for s in reachable if s.name in self.readiness}
         for state in states.values():
             if state.newer:
                 report.failures.append(
@@ -272,6 +276,12 @@ class Controller:
         admin = self.admin(server)
         loaded = loaded_versions(stats)
         placed = None if self.placed is None else self.placed.get(server.name, set())
+        wanted = {
+            model: state.wanted_on(server.name)
+            for model, state in states.items()
+            if state.served and (placed is None or model in placed)
+        }
+        self.readiness[server.name] = readiness_of(server.name, server.http, wanted, loaded)
         try:
             now = self.clock()
             todo: list[tuple[str, DesiredState, list[int], list[int]]] = []

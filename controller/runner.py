@@ -41,6 +41,7 @@ class ControllerThread:
         self.controller = Controller(store, self.servers, key, cfg)
         self.metrics = ControllerMetrics()
         self.metrics.track_failed_passes(lambda: self.controller.failed_passes)
+        self.metrics.follow_leader(lambda: self.leading)
         # one lease per set of regions: each region's controllers elect their own leader
         scope = "-".join(sorted(regions)) if regions else "all"
         self.election = (
@@ -49,6 +50,7 @@ class ControllerThread:
             else None
         )
         self.reconcile = reconcile
+        self._announced = False  # the role last logged: leading may lapse by the clock between attempts
         self.passes = 0
         self.last_report: PassReport | None = None
         self._first_pass = threading.Event()
@@ -97,14 +99,12 @@ class ControllerThread:
                 await asyncio.gather(campaign, return_exceptions=True)
             if self.election is not None:
                 await asyncio.to_thread(self.election.release)
-                self.metrics.set_leader(False)
 
     async def _campaign_once(self) -> None:
         assert self.election is not None
-        was = self.election.leading
         now = await asyncio.to_thread(self.election.attempt)
-        self.metrics.set_leader(now)
-        if now != was:
+        if now != self._announced:
+            self._announced = now
             logger.info("%s is %s", self.controller.me, "the leader" if now else "a standby")
             if now:
                 self.controller.wake()  # reconcile now: the previous leader's pass may be long gone

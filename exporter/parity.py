@@ -154,7 +154,7 @@ def onnxruntime_runner(model_bytes: bytes, provider: str = "CPUExecutionProvider
     if provider not in available:
         raise RuntimeError(
             f"ONNX Runtime here has no {provider} (it has {', '.join(available)}); for CUDA install "
-            "onnxruntime-gpu in place of onnxruntime (README, 'Export for a GPU fleet')"
+            "onnxruntime-gpu in place of onnxruntime (docs/export.md#export-for-a-gpu-fleet)"
         )
     # Pinning the one provider: ONNX Runtime must not fall back to the CPU behind our back.
     session = ort.InferenceSession(model_bytes, opts, providers=[provider])

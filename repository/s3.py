@@ -92,7 +92,14 @@ def s3_client(endpoint: str | None = None) -> Any:
     return boto3.client(
         "s3",
         endpoint_url=endpoint,
-        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 5}),
+        # Bounded calls: a store that hangs (botocore waits 60 s by default, times its retries) would
+        # stall a reconcile pass and the leader's lease renewals for minutes (found by `make chaos`).
+        config=Config(
+            s3={"addressing_style": "path"},
+            connect_timeout=5,
+            read_timeout=15,
+            retries={"total_max_attempts": 3, "mode": "standard"},
+        ),
     )
 
 

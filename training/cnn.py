@@ -2,8 +2,8 @@
 
 Three stages of `blocks` basic residual blocks at widths w, 2w, 4w (stride 2 between stages),
 global average pooling, a linear head. blocks=5, width=16 is the paper's ResNet-32, the network of
-the long-tailed CIFAR anchors in the README. It takes the uint8 image ([C, H, W]) the data gives and
-scales and normalises inside forward, so the served tensor is the compact image. BatchNorm layers
+the long-tailed CIFAR anchors (docs/models-and-data.md#on-a-gpu-cifar-10-lt-ratio-100). It takes the
+uint8 image ([C, H, W]) the data gives and scales and normalises inside forward, so the served tensor is the compact image. BatchNorm layers
 become SyncBatchNorm across ranks on CUDA (the trainer converts any model's BatchNorm).
 """
 

@@ -21,7 +21,7 @@ def open_data(
     val_fraction: float | None = None,
     seed: int = 0,
 ) -> LabelledData:
-    """Detect the layout (README, 'Bring your own data') and open it; DataError names what is wrong."""
+    """Detect the layout (docs/models-and-data.md#bring-your-own-data) and open it; DataError names what is wrong."""
     kind = detect_format(Path(data_dir))
     if kind == "table":
         from training.data import open_table

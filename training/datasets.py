@@ -118,7 +118,7 @@ def detect_format(data_dir: Path) -> str:
     raise DataError(
         f"{data_dir} holds no data set: expected train.csv/train.parquet (tables), train/labels.npy "
         "with one .npy per input (tensor shards), or train/<class>/<images> (image folders); "
-        "see README, 'Bring your own data'"
+        "see docs/models-and-data.md#bring-your-own-data"
     )
 
 

@@ -15,6 +15,7 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,7 @@ from controller.leader import LeaderElection
 from exporter.pipeline import export_artifact
 from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
-from tests.controller.conftest import KEY, controlled_server, loaded
+from tests.controller.conftest import KEY, controlled_server, loaded, two_versions
 from tests.waiting import wait_until
 
 
@@ -157,3 +158,102 @@ def test_the_standby_takes_over_a_killed_leader_and_reconciles(
                 except subprocess.TimeoutExpired:
                     proc.kill()
         server.stop()
+
+
+def _fleet_config(path: Path, servers: list[Any]) -> Path:
+    entries = [{"name": s.spec.name, "http": s.http_address, "grpc": s.grpc_address} for s in servers]
+    path.write_text(json.dumps({"regions": [{"name": "r", "servers": entries}]}))
+    return path
+
+
+@pytest.mark.slow
+def test_a_leader_killed_mid_canary_hands_it_over_and_the_canary_finishes(
+    small_artifact: Path, tmp_path: Path, prepared_triton: PreparedTriton
+) -> None:
+    """The leader is SIGKILLed while it holds the canary's lease to check a server: the standby takes
+    over, waits out that lease (the check it interrupted is not trusted), checks what is left and
+    promotes; the served version stays loaded on every server throughout, nothing is unloaded."""
+    repo = tmp_path / "repo"
+    store = two_versions(small_artifact, repo)
+    servers = [controlled_server(repo, name, tmp_path / "logs", prepared_triton) for name in ("s1", "s2")]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for server in servers:
+            server.start()
+        config = _fleet_config(tmp_path / "gateway.yaml", servers)
+        first, first_url = _controller(repo, config, tmp_path / "first.log")
+        procs.append(first)
+        wait_until(lambda: _ready(first_url), 60, "the first replica leads")
+        wait_until(lambda: all(loaded(s) == {"lt": [1]} for s in servers), 60, "the leader loaded lt")
+        second, second_url = _controller(repo, config, tmp_path / "second.log")
+        procs.append(second)
+        wait_until(lambda: "leader 0.0" in _metrics(second_url), 30, "the second replica campaigned")
+
+        store.update("lt", lambda s: s.start_canary(2))
+
+        def checking() -> bool:
+            state = store.current("lt")
+            assert state is not None and state.canary is not None, "the canary finished before the kill"
+            return bool(state.canary.checking)
+
+        wait_until(checking, 60, "the leader checks version 2 on a server", interval=0.002)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        wait_until(lambda: _ready(second_url), 3 * 4 / 3 + 30, "the standby took over")
+
+        def promoted() -> bool:
+            for server in servers:  # every server answers with lt throughout the hand-over
+                assert "lt" in loaded(server), f"{server.spec.name} lost lt mid-canary"
+            state = store.current("lt")
+            return state is not None and state.canary is None and state.served == [2]
+
+        wait_until(promoted, 120, "the new leader resumed the canary and promoted version 2")
+        wait_until(lambda: all(loaded(s) == {"lt": [2]} for s in servers), 60, "every server serves 2")
+        logs = (tmp_path / "first.log").read_text() + (tmp_path / "second.log").read_text()
+        assert "unloaded" not in logs and "failed" not in logs.split("leads (term 2)")[-1]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        for server in servers:
+            server.stop()
+
+
+def test_a_leader_whose_renewals_stall_reports_standby_at_once_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by `make chaos`: a leader whose renewals hang on storage stops leading by its own clock
+    at 2/3 of the lease, but its gauge said 1 until its next attempt returned, so two replicas
+    reported leading at once (after the other took over); and the change was never logged."""
+    from controller.fleet import FleetSpec
+    from controller.runner import ControllerThread
+    from gateway.config import RegionConfig, ServerConfig
+
+    clock = Clock()
+    fleet = FleetSpec(
+        [RegionConfig(name="r", servers=[ServerConfig(name="s", http="127.0.0.1:9", grpc="127.0.0.1:9")])]
+    )
+    thread = ControllerThread(fleet, DiskStateStore(tmp_path), KEY, leader_election=True)
+    assert thread.election is not None
+    thread.election.clock = clock
+    gauge = "skewserve_controller_leader 1.0"
+
+    async def campaign() -> None:
+        await thread._campaign_once()
+
+    import asyncio
+
+    with caplog.at_level("INFO", logger="controller.runner"):
+        asyncio.run(campaign())
+        assert thread.leading and gauge in thread.metrics.exposition()[0].decode()
+        clock.now += thread.election.duration_s * 2 / 3 + 0.1  # no renewal came back in time
+        assert not thread.leading
+        assert "skewserve_controller_leader 0.0" in thread.metrics.exposition()[0].decode()
+        thread.election.store = None  # type: ignore[assignment]  # the next attempt cannot read
+        asyncio.run(campaign())
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.endswith("is the leader") for m in said) and any(m.endswith("is a standby") for m in said)

@@ -18,7 +18,7 @@ from controller.store_probe import UnsafeStore, check_conditional_writes
 from repository.desired_state import DesiredState
 from repository.errors import StateConflict
 from repository.object_store import ObjectStateStore
-from repository.s3 import ObjectRepository
+from repository.s3 import ObjectRepository, s3_client
 from tests.deploy.conftest import CREDENTIALS, S3Server, s3_server  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.slow
@@ -93,3 +93,11 @@ def test_an_s3_compatible_store_named_as_triton_names_it_and_probed(
     assert res.returncode == 2, res.stdout + res.stderr
     out = res.stdout + res.stderr
     assert f"model repository {missing}:" in out and "NoSuchBucket" in out, out
+
+
+def test_every_s3_call_is_bounded() -> None:
+    """A hung store call must not stall a pass or a lease renewal for botocore's default 60 s a try
+    (`make chaos` saw 49 s take-overs): the client the repository opens bounds each call."""
+    config = s3_client("http://127.0.0.1:9").meta.config
+    assert (config.connect_timeout, config.read_timeout) == (5, 15)
+    assert (config.retries["total_max_attempts"], config.retries["mode"]) == (3, "standard")

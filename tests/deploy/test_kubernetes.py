@@ -16,9 +16,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from exporter.object_store import ObjectRepository
 from exporter.target import TARGET
 from gateway.config import ConfigError, TrafficConfig, load_gateway_config
+from repository.s3 import ObjectRepository
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -105,8 +105,12 @@ def test_triton_waits_for_loading_before_liveness_and_reads_the_repository_from_
     triton = _by_id(_base_resources())[("StatefulSet", "triton")]
     container = triton["spec"]["template"]["spec"]["containers"][0]
     startup = container["startupProbe"]
-    # started = serves a model (or the repository holds none): test_triton_pod.py runs the probe
-    assert startup["exec"]["command"][:2] == ["python3", "-c"]
+    # started = serves what the controller wants on it (tests/controller/test_server_readiness.py),
+    # or with no controller answering, a model (or the repository holds none): test_triton_pod.py
+    assert startup["exec"]["command"] == ["python3", "/etc/skewserve/probe/triton-startup-probe.py"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["SKEWSERVE_SERVER"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["SKEWSERVE_CONTROLLER_URL"]["value"] == "http://skewserve-controller:8090"
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # load + warm-up budget
     assert startup["timeoutSeconds"] >= 5  # an interpreter's start plus two calls, on a busy node
     assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
@@ -118,6 +122,8 @@ def test_triton_waits_for_loading_before_liveness_and_reads_the_repository_from_
         "/var/lib/triton-models": "triton-models",
         "/tmp": "tmp",
         "/dev/shm": "dshm",
+        "/etc/skewserve/probe": "probe",
+        "/var/run/skewserve/controller-token": "controller-token",
     }
     assert "envFrom" not in container
     generators = {g["name"]: g for g in _kustomization(K8S / "base")["configMapGenerator"]}
@@ -395,6 +401,7 @@ def test_the_deploy_readme_creates_every_secret_the_manifests_reference() -> Non
         "skewserve-redis",
         "skewserve-gateway-tls",
         "skewserve-gateway-controller-token",
+        "skewserve-triton-controller-token",
         "skewserve-controller-tokens",
         "skewserve-spillover-tls",
     }
@@ -405,6 +412,9 @@ def test_the_deploy_readme_creates_every_secret_the_manifests_reference() -> Non
     # the gateway's token (key `token`) and the controller's directory of them (a key per caller)
     assert "create secret generic skewserve-gateway-controller-token --from-literal=token=" in guide
     assert "--from-literal=gateway-us-east=" in guide
+    # the Triton pods' startup probe asks the controller as the caller `triton`
+    assert "create secret generic skewserve-triton-controller-token --from-literal=token=" in guide
+    assert "--from-literal=triton=" in guide
     for forbidden in ("AWS_SECRET_ACCESS_KEY", "skewserve-model-store"):
         assert forbidden not in guide, forbidden
 
@@ -592,6 +602,7 @@ def test_triton_is_reachable_only_from_the_gateways_controller_spillover_proxy_a
     }
     assert _allowed_from(policies, {"app": "skewserve-controller"}) == {
         ("skewserve-gateway", 8090),
+        ("triton", 8090),  # the Triton pods' startup probe: /v1/servers/ready
         ("scraper", 8090),
     }
     # the other regions arrive only on the mutual-TLS ports; the plain ones are this region's gateways'
@@ -638,11 +649,11 @@ def test_triton_shared_memory_fits_the_python_backend_as_on_one_host() -> None:
 
 
 def _documented_rollouts() -> list[tuple[str, list[str]]]:
-    """Every in-cluster `skewserve rollout` the READMEs show: (file, its arguments after `skewserve`)."""
+    """Every in-cluster `skewserve rollout` the deploy guides show: (file, its arguments after `skewserve`)."""
     import shlex
 
     found = []
-    for doc in (ROOT / "README.md", ROOT / "deploy" / "README.md"):
+    for doc in (ROOT / "docs" / "deploy.md", ROOT / "deploy" / "README.md"):
         text = doc.read_text().replace("\\\n", " ")
         for line in text.splitlines():
             if "exec deploy/skewserve-controller -- skewserve rollout" in line:
@@ -657,10 +668,10 @@ def test_the_in_cluster_rollout_is_documented_as_the_servers_run() -> None:
     file and the repository the pods read."""
     import typer
 
-    from skewserve.cli import app
+    from skewserve.commands.main import app
 
     documented = _documented_rollouts()
-    assert {name for name, _ in documented} == {"README.md", "deploy/README.md"}
+    assert {name for name, _ in documented} == {"docs/deploy.md", "deploy/README.md"}
     cli = typer.main.get_command(app)
     docs = _base_resources()
     triton = _pod(docs, "StatefulSet", "triton")["containers"][0]

@@ -70,9 +70,14 @@ def _http(server: TritonServer, path: str, body: bytes | None = None, key: str |
 
 
 def _probe(server: TritonServer) -> int:
-    """The startupProbe's exec command, verbatim, with the container's environment."""
-    command = _container()["startupProbe"]["exec"]["command"]
+    """The startupProbe's exec command, verbatim, with the container's environment, the mounted
+    ConfigMap's file read from where kustomize takes it (deploy/k8s/base), and no controller (the
+    probe with one is tests/controller/test_server_readiness.py)."""
+    mount = {m["name"]: m["mountPath"] for m in _container()["volumeMounts"]}["probe"]
+    base = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "base"
+    command = [a.replace(mount, str(base)) for a in _container()["startupProbe"]["exec"]["command"]]
     env = {**os.environ, "SKEWSERVE_PROBE_URL": server.http_url, "SKEWSERVE_CONTROL_KEY": KEY}
+    env.pop("SKEWSERVE_CONTROLLER_URL", None)
     return subprocess.run(command, env=env, capture_output=True, timeout=60).returncode
 
 
