@@ -20,9 +20,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from repository.errors import StateConflict
-from repository.state_store import StateStore
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +43,20 @@ class LeaseRecord:
         return cls(str(raw["holder"]), int(raw["term"]), float(raw["duration_s"]), float(raw["renewed"]))
 
 
+class LeaseRecords(Protocol):
+    """Where the lease lives: the repository's state store (a record beside the models) or a
+    Kubernetes Lease (controller/kube_lease.py). Writes are conditional: StateConflict if the record
+    changed since `token` was read (None: only if absent)."""
+
+    def read_record(self, name: str) -> tuple[bytes | None, object]: ...
+
+    def write_record(self, name: str, data: bytes, token: object) -> None: ...
+
+
 class LeaderElection:
     def __init__(
         self,
-        store: StateStore,
+        store: LeaseRecords,
         me: str,
         scope: str = "default",
         duration_s: float = 15.0,

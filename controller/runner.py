@@ -16,7 +16,7 @@ from controller.api_auth import CallerTokens
 from controller.config import ControllerConfig
 from controller.demand_api import DemandApi
 from controller.fleet import ControlledServer, FleetSpec, ServerSet
-from controller.leader import LeaderElection
+from controller.leader import LeaderElection, LeaseRecords
 from controller.metrics import ControllerMetrics
 from controller.reconcile import Controller, PassReport
 from repository.state_store import StateStore
@@ -34,7 +34,10 @@ class ControllerThread:
         regions: set[str] | None = None,
         reconcile: bool = True,
         leader_election: bool = False,
+        lease_records: LeaseRecords | None = None,
     ) -> None:
+        """`lease_records`: where the leader's lease lives with `leader_election` (default: a record
+        in the repository's store; controller/kube_lease.py keeps it in a Kubernetes Lease)."""
         self.fleet = ServerSet(gateway_cfg)
         self.fleet_regions = {r.name for r in gateway_cfg.regions}
         self.regions = regions
@@ -45,7 +48,9 @@ class ControllerThread:
         # one lease per set of regions: each region's controllers elect their own leader
         scope = "-".join(sorted(regions)) if regions else "all"
         self.election = (
-            LeaderElection(store, self.controller.me, scope, self.controller.cfg.leader_lease_s)
+            LeaderElection(
+                lease_records or store, self.controller.me, scope, self.controller.cfg.leader_lease_s
+            )
             if leader_election
             else None
         )

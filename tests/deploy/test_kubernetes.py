@@ -545,6 +545,7 @@ def test_the_controller_runs_two_replicas_and_only_the_leader_serves() -> None:
     (container,) = pod["containers"]
     args = container["args"]
     assert "--listen=0.0.0.0:8090" in args and "--leader-election" in args
+    assert "--leader-lease-in=kubernetes" in args  # a Lease object (tests/controller/test_kube_lease.py)
     tokens = next(a.split("=", 1)[1] for a in args if a.startswith("--tokens-dir="))
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volume = next(v for v in pod["volumes"] if v["name"] == mounts[tokens])
@@ -557,14 +558,19 @@ def test_the_controller_runs_two_replicas_and_only_the_leader_serves() -> None:
     assert (service_port["port"], service_port["targetPort"]) == (8090, "api")
     monitor = ids[("PodMonitor", "skewserve-controller")]["spec"]["podMetricsEndpoints"]
     assert monitor == [{"port": "api", "path": "/metrics", "interval": "15s"}]
-    # its own account: EndpointSlices read, as the gateway's, and nothing else in the cluster
+    # its own account: EndpointSlices read, as the gateway's, its Lease, and nothing else
     assert pod["serviceAccountName"] == "skewserve-controller"
     binding = ids[("RoleBinding", "skewserve-controller-discovery")]
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "skewserve-controller", "namespace": "skewserve"}
     ]
     role = ids[("Role", binding["roleRef"]["name"])]
-    assert role["rules"] == ids[("Role", "skewserve-gateway-discovery")]["rules"]
+    lease = {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "verbs": ["get", "create", "update"],
+    }
+    assert role["rules"] == [*ids[("Role", "skewserve-gateway-discovery")]["rules"], lease]
 
 
 def _allowed_from(policies: list[dict[str, Any]], target: dict[str, str]) -> set[tuple[str, int]]:

@@ -1,4 +1,4 @@
-"""A Kubernetes API server for EndpointSlices on loopback: list and watch, in the v1 wire format.
+"""A Kubernetes API server for EndpointSlices and Leases on loopback, in the v1 wire format.
 
 It serves `GET /apis/discovery.k8s.io/v1/namespaces/<ns>/endpointslices?labelSelector=...` as the
 real API server does (https://kubernetes.io/docs/reference/using-api/api-concepts/): a list is an
@@ -6,6 +6,10 @@ real API server does (https://kubernetes.io/docs/reference/using-api/api-concept
 `{"type": ADDED|MODIFIED|DELETED|ERROR, "object": ...}` events after the given resourceVersion,
 ends the stream after `timeoutSeconds`, and answers a resourceVersion older than what it keeps
 with an ERROR event holding a 410 `Status`. Requests without the bearer token get 401.
+
+Leases (coordination.k8s.io/v1) as the API server keeps any object: GET, POST (409 AlreadyExists
+when it exists), PUT with the `metadata.resourceVersion` read (409 Conflict when it moved, 404 when
+the Lease is gone), DELETE; every write gives the object a new resourceVersion.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class KubeApi:
         self.tls = tls
         self.namespace = namespace
         self.slices: dict[str, dict[str, Any]] = {}
+        self.leases: dict[str, dict[str, Any]] = {}
+        self.conflicts = 0
         self.events: list[tuple[int, str, dict[str, Any]]] = []
         self.oldest = 0  # resourceVersions at or below this are compacted away (410)
         self.version = 100
@@ -63,6 +69,10 @@ class KubeApi:
         asyncio.set_event_loop(self.loop)
         app = web.Application()
         app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", self._handle)
+        leases = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
+        app.router.add_post(leases, self._lease)
+        for method in ("GET", "PUT", "DELETE"):
+            app.router.add_route(method, leases + "/{name}", self._lease)
         self.runner = web.AppRunner(app)
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0, ssl_context=self.tls)
@@ -149,19 +159,50 @@ class KubeApi:
         key, _, value = selector.partition("=")
         return [s for s in self.slices.values() if s["metadata"]["labels"].get(key) == value]
 
+    @staticmethod
+    def _status(code: int, reason: str, message: str = "") -> web.Response:
+        body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": code}
+        return web.json_response({**body, "message": message}, status=code)
+
+    async def _lease(self, request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
+            self.unauthorized += 1
+            return self._status(401, "Unauthorized")
+        name = request.match_info.get("name")
+        if request.method == "GET":
+            found = self.leases.get(str(name))
+            return (
+                web.json_response(found)
+                if found
+                else self._status(404, "NotFound", f"leases {name!r} not found")
+            )
+        if request.method == "DELETE":
+            return web.json_response(self.leases.pop(str(name), {}))
+        lease = await request.json()
+        lease.setdefault("metadata", {})
+        if request.method == "POST":
+            name = lease["metadata"].get("name", "")
+            if name in self.leases:
+                self.conflicts += 1
+                return self._status(409, "AlreadyExists", f"leases {name!r} already exists")
+        else:
+            current = self.leases.get(str(name))
+            if current is None:
+                return self._status(404, "NotFound", f"leases {name!r} not found")
+            if lease["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
+                self.conflicts += 1
+                return self._status(
+                    409, "Conflict", "the object has been modified; apply your changes to the latest version"
+                )
+        self.version += 1
+        lease["metadata"].update(namespace=self.namespace, resourceVersion=str(self.version))
+        self.leases[str(name)] = lease
+        return web.json_response(lease, status=201 if request.method == "POST" else 200)
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         if request.headers.get("Authorization") != f"Bearer {self.token}":
             self.unauthorized += 1
-            return web.json_response(
-                {
-                    "kind": "Status",
-                    "apiVersion": "v1",
-                    "status": "Failure",
-                    "reason": "Unauthorized",
-                    "code": 401,
-                },
-                status=401,
-            )
+            return self._status(401, "Unauthorized")
         if request.match_info["ns"] != self.namespace:
             return web.json_response(
                 {"kind": "EndpointSliceList", "metadata": {"resourceVersion": str(self.version)}, "items": []}
