@@ -72,9 +72,18 @@ def test_of_two_replicas_racing_for_a_free_lease_one_wins(tmp_path: Path) -> Non
     assert json.loads(store.read_record("leader-default")[0] or b"{}")["holder"] == "a"
 
 
-def _controller(repo: Path, config: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _controller(repo: Path, config: Path, log: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     cmd = [sys.executable, "-m", "skewserve", "controller", "--config", str(config), "--repo", str(repo)]
-    cmd += ["--interval", "0.5", "--listen", "127.0.0.1:0", "--leader-election", "--leader-lease", "3"]
+    cmd += [
+        "--interval",
+        "0.5",
+        "--listen",
+        "127.0.0.1:0",
+        "--leader-election",
+        "--leader-lease",
+        "3",
+        *extra,
+    ]
     env = {**os.environ, "SKEWSERVE_CONTROL_KEY": KEY, "PYTHONUNBUFFERED": "1"}
     handle = open(log, "wb")
     proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
@@ -257,3 +266,68 @@ def test_a_leader_whose_renewals_stall_reports_standby_at_once_and_says_so(
         asyncio.run(campaign())
     said = [r.getMessage() for r in caplog.records]
     assert any(m.endswith("is the leader") for m in said) and any(m.endswith("is a standby") for m in said)
+
+
+def _loading(server: Any) -> bool:
+    """Whether the server is loading a model now (its repository index, with the control key)."""
+    request = urllib.request.Request(
+        f"{server.http_url}/v2/repository/index", data=b"{}", headers={"skewserve-control": KEY}
+    )
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        return any(m.get("state") == "LOADING" for m in json.load(answer))
+
+
+@pytest.mark.slow
+def test_a_leader_killed_mid_placement_leaves_each_model_loaded_once_and_nothing_unloaded(
+    small_artifact: Path, tmp_path: Path, prepared_triton: PreparedTriton
+) -> None:
+    """Placement gives each of four models one copy; the leader is SIGKILLed while a server is
+    loading one. The standby takes over, rebuilds placement from what the servers hold, and finishes
+    it: each model ends on exactly one server, no server loaded a model twice, none unloaded one."""
+    repo = tmp_path / "repo"
+    models = ["m0", "m1", "m2", "m3"]
+    for model in models:
+        export_artifact(small_artifact, repo, model, tensorrt="off")
+    servers = [controlled_server(repo, name, tmp_path / "logs", prepared_triton) for name in ("s1", "s2")]
+    placement = tmp_path / "placement.yaml"
+    placement.write_text(json.dumps({"server_capacity_bytes": 1 << 34}))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for server in servers:
+            server.start()
+        config = _fleet_config(tmp_path / "gateway.yaml", servers)
+        for name in ("a", "b"):  # both campaign at once: the winner starts placing at its first pass
+            procs.append(
+                _controller(repo, config, tmp_path / f"{name}.log", "--placement", str(placement))[0]
+            )
+        wait_until(
+            lambda: any(_loading(s) for s in servers), 120, "a server loads a placed model", interval=0.005
+        )
+        logs = {p: (tmp_path / f"{n}.log") for p, n in zip(procs, ("a", "b"), strict=True)}
+        leader = next(p for p, log in logs.items() if "leads (term 1)" in log.read_text())
+        leader.send_signal(signal.SIGKILL)
+        leader.wait(timeout=30)
+        held = sorted(m for s in servers for m in loaded(s))
+        assert held != models, "the leader finished placing before the kill"
+
+        def placed() -> bool:
+            held = [loaded(s) for s in servers]
+            return sorted(m for h in held for m in h) == models
+
+        wait_until(placed, 120, "the new leader finished placement")
+        for server in servers:  # every load once, no unload, on either server
+            log = server.log_text()
+            for model in models:
+                assert log.count(f"successfully loaded '{model}'") <= 1, (server.spec.name, model)
+            assert "successfully unloaded" not in log, server.spec.name
+        assert all(len(loaded(s)) >= 1 for s in servers)  # the copies are spread, not stacked
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        for server in servers:
+            server.stop()
