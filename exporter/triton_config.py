@@ -139,10 +139,6 @@ def gpu_config(
     return cfg
 
 
-
-
-
-
 def local_config(
     name: str, contract: ServingContract, opts: ConfigOptions, backend: str = "onnxruntime"
 ) -> mc.ModelConfig:

@@ -18,6 +18,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from gateway.forward_headers import bound_header
+
 ENV_PREFIX = "SKEWSERVE_GATEWAY_"
 
 
@@ -437,8 +439,6 @@ class ApiKeyConfig(_Strict):
     @field_validator("headers")
     @classmethod
     def _bound_headers(cls, v: dict[str, str]) -> dict[str, str]:
-        from gateway.fronts.forward_headers import bound_header
-
         return dict(bound_header(name, value) for name, value in v.items())
 
     @field_validator("sha256")

@@ -15,18 +15,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from gateway.config import GatewayConfig, ServerConfig
-from gateway.errors import BadRequest, NoReadyServer, Overloaded
+from gateway.errors import BadRequest, NoReadyServer
 from gateway.fleet.balancer import make_balancer
 from gateway.fleet.cold_start import ColdStart
 from gateway.fleet.discovery import Discovery
+from gateway.fleet.dispatch import WHOLE_DEADLINE, Attempt, Dispatcher, Outcome, SequenceId
 from gateway.fleet.health import HealthChecker, OutlierDetector
 from gateway.fleet.router import Region, RegionRouter
 from gateway.fleet.shadow import Shadow
 from gateway.fleet.traffic import Traffic
-from gateway.fronts.forward_headers import NEVER_FORWARDED, NEVER_FORWARDED_PREFIXES
+from gateway.forward_headers import NEVER_FORWARDED, NEVER_FORWARDED_PREFIXES
 from gateway.operations.metrics import OTHER_MODEL, GatewayMetrics
-from gateway.pipeline.dispatch import WHOLE_DEADLINE, Attempt, Dispatcher, Outcome, SequenceId
-from gateway.pipeline.step_costs import StepCosts
+from gateway.operations.step_costs import StepCosts
 from gateway.state.auth import Authenticator, Principal
 from gateway.state.body_budget import BodyBudget
 from gateway.state.cache import MemoryCache, RedisCache, ResponseCache
@@ -39,9 +39,9 @@ from gateway.upstream.server import UpstreamServer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-# The model this request was admitted to (set by `Gateway.admit` in the request's own task), so
-# metric labels name only models the caller may use.
 COLD_START_ROUNDS = 3  # loads a request waits for when its model keeps being moved away
+# The model this request was admitted to (set by `Gateway.admit_model` in the request's own task),
+# so metric labels name only models the caller may use.
 
 _ADMITTED: contextvars.ContextVar[str | None] = contextvars.ContextVar("skewserve_admitted", default=None)
 
@@ -83,7 +83,7 @@ class Gateway:
         for server in self.servers:
             self.metrics.server_joined(server.region, server.name)
         self._leaving: set[asyncio.Task[None]] = set()  # removed servers draining, then closed
-        # What config reload (gateway/operations/reload.py) did last: shown in the fleet view.
+        # What config reload (gateway/reload.py) did last: shown in the fleet view.
         self.reloads: dict[str, Any] = {"applied": 0, "refused": 0, "last_refusal": ""}
         self.detector = OutlierDetector(cfg.health, on_eject=self.metrics.ejection, servers=self.servers)
         self.health = HealthChecker(self.servers, cfg.health, cfg.upstream_protocol, self.detector, clock)
@@ -286,39 +286,7 @@ class Gateway:
         """Removed servers still draining."""
         return len(self._leaving)
 
-    # -- admission -------------------------------------------------------------------------------
-    async def admit(
-        self, model: str, authorization: str | None, api_key: str | None, client: str = ""
-    ) -> Principal | None:
-        """Drain and in-flight bounds, authentication, the model list, then the rate limits
-        (per key, or per client address with auth off; in Redis when shared)."""
-        self.check_slot()
-        return await self.check_caller(model, authorization, api_key, client)
-
-    def check_slot(self) -> None:
-        """503 while draining or above the in-flight bound (the fronts count a request in flight
-        before calling this, so it is over the limit only above it)."""
-        if self.refusing:
-            self.metrics.shed.labels("draining").inc()
-            raise Overloaded("gateway is shutting down; retry on another replica")
-        if self.inflight > self.cfg.limits.max_inflight:
-            self.metrics.shed.labels("inflight").inc()
-            raise Overloaded(
-                f"gateway is at its in-flight limit ({self.cfg.limits.max_inflight}); retry later"
-            )
-
-    async def check_caller(
-        self, model: str, authorization: str | None, api_key: str | None, client: str = ""
-    ) -> Principal | None:
-        """What costs nothing but a hash and a token: the key, the model list (when the model is
-        known), the rate limit. Run before a body is read, inflated or parsed."""
-        principal = self.auth.authenticate(authorization, api_key)
-        if model:  # server-level calls (metadata, all-model statistics) name no model
-            self.auth.check_model(principal, model)
-        _ADMITTED.set(model)
-        await self.check_rate(principal, client)
-        return principal
-
+    # -- admission (the step itself: gateway/pipeline/admission.py) ------------------------------
     async def check_rate(self, principal: Principal | None, client: str) -> None:
         if self.rate_limited(principal):
             await self.limiter.check(principal, client)

@@ -5,7 +5,7 @@ SIGTERM: report not-ready at once, keep serving for `drain.grace_s` (so load bal
 then refuse new requests with 503, wait for in-flight ones (bounded), stop both servers and exit.
 A second SIGTERM or SIGINT exits immediately.
 
-SIGHUP: re-read the config file and apply region and server changes live (gateway/operations/reload.py).
+SIGHUP: re-read the config file and apply region and server changes live (gateway/reload.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from gateway.core import Gateway
 from gateway.fronts.grpc_front import GrpcFront
 from gateway.fronts.grpc_plane import GrpcioPlane, GrpcPlane, HaproxyGrpcPlane, WorkerGrpcPlane, WorkerSlot
 from gateway.fronts.http_front import HttpFront
+from gateway.fronts.http_ops import build_ops_app
 from gateway.fronts.http_protocol import uvicorn_config
 from gateway.fronts.listen import ListenError, bind_listener, bind_shared, bind_unix, write_ready_file
-from gateway.operations.ops import build_ops_app
-from gateway.operations.reload import ConfigReloader
+from gateway.reload import ConfigReloader
 
 logger = logging.getLogger(__name__)
 

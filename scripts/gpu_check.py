@@ -172,7 +172,7 @@ class Check:
         print(render_table(self.steps[-1:]).splitlines()[1], flush=True)
 
     def cli(self, *args: str, limit_s: float) -> str:
-        res = _run([sys.executable, "-m", "skewserve.cli", *args], min(limit_s, self.left()), self.env)
+        res = _run([sys.executable, "-m", "skewserve", *args], min(limit_s, self.left()), self.env)
         if res.returncode != 0:
             raise RuntimeError(
                 f"skewserve {args[0]} exited {res.returncode}: {_tail(res.stdout + res.stderr)}"

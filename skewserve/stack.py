@@ -7,7 +7,7 @@ Stack config (YAML or TOML):
     controller: {interval_s: 1}           # its settings (controller/config.py); explicit mode only
     regions: {us-east: 2, eu-west: 1}     # servers per region
     response_cache_mb: 0                  # Triton's own response cache per server (MiB, 0: off)
-    autoscale: {target: 2, max_servers: 4} # optional: servers per region follow their load (README)
+    autoscale: {target: 2, max_servers: 4} # optional: servers per region follow their load (docs/autoscaling.md)
     gateway: {home_region: us-east, listen: {http_port: 8080, grpc_port: 8081, ops_port: 8082}, cache: {...}}
 The gateway section is a gateway config without `regions`: they are filled in from the servers.
 """

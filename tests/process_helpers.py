@@ -14,7 +14,7 @@ from collections.abc import Iterator
 def cli_process(*args: str) -> Iterator[subprocess.Popen[str]]:
     """Run `skewserve ARGS`; however the test ends, Ctrl-C it so it stops the servers it started."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "skewserve.cli", *args],
+        [sys.executable, "-m", "skewserve", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -16,7 +16,7 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "skewserve.cli",
+            "skewserve",
             "demo",
             "--out",
             str(tmp_path / "demo"),

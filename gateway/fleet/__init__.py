@@ -1,2 +1,3 @@
 """Which servers there are and which one a request goes to: routing across regions, balancing,
-health and outlier ejection, discovery, config reload, cold starts, canary traffic."""
+health and outlier ejection, discovery, cold starts, canary traffic, and the dispatcher that sends
+a request with retries and hedging."""

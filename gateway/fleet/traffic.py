@@ -20,31 +20,18 @@ import os
 import socket
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from gateway.config import TrafficConfig
 from gateway.fleet.controller_token import ControllerToken
-from gateway.fleet.shadow import ClassSampler
+from gateway.fleet.traffic_plan import Plan
 from gateway.fleet.traffic_tally import ModelTally, Role, TrafficReport
 from gateway.upstream.server import UpstreamServer
 
 logger = logging.getLogger(__name__)
 _HASH_SPACE = float(1 << 64)
-
-
-@dataclass
-class Plan:
-    model: str
-    stable: str
-    canary: str
-    share: float
-    shadow: float
-    started: float
-    tally: ModelTally
-    sampler: ClassSampler = field(default_factory=ClassSampler)
 
 
 class Traffic:

@@ -24,21 +24,15 @@ from tritonclient.grpc import service_pb2 as pb
 from gateway.config import TlsConfig
 from gateway.core import Gateway
 from gateway.errors import BadRequest, GatewayError, grpc_code_for
-from gateway.fronts.forward_headers import forwarded_metadata
+from gateway.forward_headers import forwarded_metadata
 from gateway.fronts.grpc_bridge import Precheck
-from gateway.fronts.grpc_infer import OFF_LOOP_BYTES, GrpcLimits, GrpcWire
+from gateway.fronts.grpc_infer import OFF_LOOP_BYTES, GrpcLimits, GrpcWire, grpc_call
 from gateway.fronts.listen import check_free, refused
 from gateway.fronts.request_id import checked_request_id
-from gateway.operations.statistics import (
-    SERVER_HEADER,
-    gather_statistics,
-    merge_statistics,
-    only_allowed,
-    statistics_servers,
-)
-from gateway.pipeline import run
-from gateway.pipeline.cache_alias import ExactAliases
-from gateway.state.limits import client_address
+from gateway.pipeline import metadata as pipeline_metadata
+from gateway.pipeline import run, statistics
+from gateway.pipeline.call import Call
+from gateway.pipeline.statistics import SERVER_HEADER
 from gateway.upstream.haproxy import PEER_HEADER
 from gateway.upstream.server import UpstreamServer
 
@@ -68,13 +62,6 @@ class GrpcFront:
         cfg = gateway.cfg
         self.limits = GrpcLimits(cfg)
         self._passed: asyncio.Future[None] | None = None  # a rate check with nothing to check
-        self.region_key = cfg.routing.region_header.lower()
-        self.sticky_key = cfg.traffic.sticky_header.lower() if cfg.traffic else ""
-        self.timeout_key = cfg.retries.timeout_header.lower()
-        self.max_batch = cfg.limits.max_batch_size
-        self.max_tensors = cfg.limits.max_tensors
-        # Exact request bytes already keyed -> their key (gateway/pipeline/cache_alias.py).
-        self.aliases: ExactAliases[bytes] = ExactAliases()
         self.server: grpc.aio.Server | None = None
 
     def methods(self) -> dict[str, Any]:
@@ -138,15 +125,6 @@ class GrpcFront:
     def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
         return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
-    def _deadline(
-        self,
-        context: grpc.aio.ServicerContext,
-        md: dict[str, str],
-        timeout_us: int | None = None,
-        model: str = "",
-    ) -> float:
-        return self.gw.deadline(md.get(self.timeout_key), timeout_us, model, context.time_remaining())
-
     @staticmethod
     async def _decode(cls: type[M], request: bytes) -> M:
         """The request message, or BadRequest naming the message type; large ones off the loop."""
@@ -180,36 +158,25 @@ class GrpcFront:
     async def _proxy(
         self, method: str, request: bytes, context: grpc.aio.ServicerContext, model: str, version: str
     ) -> bytes:
-        md = self._metadata(context)
-        request_id = ""
-        self.gw.inflight += 1
+        call = Call("grpc", 0.0)
         try:
-            request_id = checked_request_id(md.get("x-request-id"))
-            await self._admit(model, md, context)
-            deadline = self._deadline(context, md)
+            call = self._call(context, model, version)
+            metadata = (("x-request-id", call.request_id),)
 
             async def attempt(server: UpstreamServer, timeout_s: float) -> bytes:
-                return await server.grpc_call(method, request, timeout_s, (("x-request-id", request_id),))
+                return await server.grpc_call(method, request, timeout_s, metadata)
 
-            outcome = await self.gw.send_metadata(model, version, md.get(self.region_key), deadline, attempt)
-            return outcome.value
+            return (await pipeline_metadata.ask(self.gw, call, attempt)).value
         except GatewayError as exc:
-            await self._abort(context, exc, request_id)
+            await self._abort(context, exc, call.request_id)
             raise AssertionError("unreachable") from None
-        finally:
-            self.gw.inflight -= 1
 
-    async def _admit(self, model: str, md: dict[str, str], context: grpc.aio.ServicerContext) -> Any:
-        """Admission shared by every method: drain, in-flight bound, auth, model list, rate limits.
-        A call through the bridge had its key and rate limit checked from its headers already."""
-        pre: Precheck | None = getattr(context, "precheck", None)
-        if pre is None or pre.rate is None:
-            client = client_address(context.peer())
-            return await self.gw.admit(model, md.get("authorization"), md.get("x-api-key"), client)
-        self.gw.check_slot()
-        await pre.rate
-        self.gw.admit_model(pre.principal, model)
-        return pre.principal
+    def _call(self, context: grpc.aio.ServicerContext, model: str, version: str) -> Call:
+        """A metadata or statistics call as admission reads it (BadRequest for a bad request id)."""
+        md = self._metadata(context)
+        call = grpc_call(self.gw, self.limits, context, md, self.gw.clock(), model, version)
+        call.request_id = checked_request_id(md.get("x-request-id"))
+        return call
 
     def precheck(self, path: bytes, headers: list[tuple[str, str]]) -> Precheck:
         """The bridge's gate (gateway/fronts/grpc_bridge.py), run on a call's headers before its message
@@ -264,53 +231,31 @@ class GrpcFront:
 
     async def model_statistics(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Triton's ModelStatistics, summed across the servers the model is routed to."""
-        md = self._metadata(context)
-        request_id = ""
         req = await self._parse(pb.ModelStatisticsRequest, request, context)
-        self.gw.inflight += 1
+        call = Call("grpc", 0.0)
         try:
-            request_id = checked_request_id(md.get("x-request-id"))
-            principal = await self._admit(req.name, md, context)
-            deadline = self._deadline(context, md)
-            gw = self.gw
-            servers = statistics_servers(
-                gw.servers,
-                {name: region.servers for name, region in gw.router.regions.items()},
-                req.name,
-                req.version,
-                md.get(self.region_key),
-                self.region_key,
-                gw.clock(),
-                md.get(SERVER_HEADER),
-            )
-            passed_on = forwarded_metadata(md, gw.forwarded)
-            metadata = (("x-request-id", request_id), *passed_on)
+            call = self._call(context, req.name, req.version)
+            md = self._metadata(context)
+            metadata = (("x-request-id", call.request_id), *forwarded_metadata(md, self.gw.forwarded))
 
-            async def fetch(server: UpstreamServer) -> dict[str, Any]:
-                raw = await server.grpc_call(
-                    "ModelStatistics", request, max(0.0, deadline - gw.clock()), metadata
-                )
+            async def fetch(server: UpstreamServer, timeout_s: float) -> dict[str, Any]:
+                raw = await server.grpc_call("ModelStatistics", request, timeout_s, metadata)
                 return json_format.MessageToDict(
                     pb.ModelStatisticsResponse.FromString(raw), preserving_proto_field_name=True
                 )
 
-            answers, answered = await gather_statistics(servers, fetch)
-            merged = only_allowed(merge_statistics(answers), principal)
+            merged, answered = await statistics.answer(self.gw, call, md.get(SERVER_HEADER), fetch)
             context.set_trailing_metadata(
                 (
-                    ("x-request-id", request_id),
+                    ("x-request-id", call.request_id),
                     ("x-skewserve-stats-servers", ",".join(s.name for s in answered)),
                 )
             )
             return json_format.ParseDict(merged, pb.ModelStatisticsResponse()).SerializeToString()
-        except GatewayError as exc:
-            await self._abort(context, exc, request_id)
+        except grpc.aio.AbortError:
+            raise
         except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            await self._abort(context, exc, request_id)
-        finally:
-            self.gw.inflight -= 1
+            await self._abort(context, exc, call.request_id)
         raise AssertionError("unreachable")
 
     async def model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:

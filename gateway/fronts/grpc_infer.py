@@ -18,14 +18,14 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
 from gateway.errors import BadRequest, GatewayError, grpc_code_for
-from gateway.fronts.forward_headers import forwarded_metadata
+from gateway.fleet.dispatch import Attempt, SequenceId
+from gateway.forward_headers import forwarded_metadata
 from gateway.fronts.infer_body import MAX_UINT64, SHARED_MEMORY_PARAMETERS
 from gateway.fronts.request_id import checked_request_id, is_valid_request_id, new_request_id
 from gateway.pipeline import admission
 from gateway.pipeline.answer_classes import grpc_classes
 from gateway.pipeline.cache_alias import ExactAliases
 from gateway.pipeline.call import Call
-from gateway.pipeline.dispatch import Attempt, SequenceId
 from gateway.pipeline.shadow_send import version_field
 from gateway.state.cache import cache_key_async
 from gateway.state.limits import client_address
@@ -150,6 +150,40 @@ class GrpcLimits:
         self.aliases: ExactAliases[bytes] = ExactAliases()
 
 
+def grpc_call(
+    gw: Any,
+    limits: GrpcLimits,
+    context: grpc.aio.ServicerContext,
+    md: dict[str, str],
+    started: float,
+    model: str | None = None,
+    version: str = "",
+) -> Call:
+    """A gRPC call as admission and the steps read it; `model` when the method's message named it
+    ("" for the server: metadata, all-model statistics), else None until the message is read. A call through the bridge had its key
+    checked, and its rate check started, from its headers (gateway/fronts/grpc_bridge.py)."""
+    call = Call(
+        "grpc",
+        started,
+        model or "",
+        version,
+        named=model is not None,
+        pinned=md.get(limits.region_key),
+        sticky=md.get(limits.sticky_key) if limits.sticky_key else None,
+        timeout_ms=md.get(limits.timeout_key),
+        call_remaining=context.time_remaining(),  # as `started` is read: see forward.plain_deadline
+        passed_on=any(gw.forwarded(k) for k in md),
+    )
+    pre = getattr(context, "precheck", None)
+    if pre is not None and pre.rate is not None:
+        call.principal, call.caller, call.rate = pre.principal, pre.caller, pre.rate
+        call.authenticated = True
+    else:
+        call.authorization, call.api_key = md.get("authorization"), md.get("x-api-key")
+        call.client = client_address(context.peer())
+    return call
+
+
 class GrpcWire:
     """The pipeline's view of one ModelInfer call (gateway/pipeline/run.py `Wire`)."""
 
@@ -171,25 +205,9 @@ class GrpcWire:
         self.answer = b""
 
     def call(self, md: dict[str, str], started: float) -> Call:
-        limits, context = self.limits, self.context
         self.metadata = md
         self.sent_id = md.get("x-request-id")
-        call = Call(
-            "grpc",
-            started,
-            pinned=md.get(limits.region_key),
-            sticky=md.get(limits.sticky_key) if limits.sticky_key else None,
-            timeout_ms=md.get(limits.timeout_key),
-            passed_on=any(self.gw.forwarded(k) for k in md),
-        )
-        pre = getattr(context, "precheck", None)
-        if pre is not None and pre.rate is not None:  # the bridge checked the key from the headers
-            call.principal, call.caller, call.rate = pre.principal, pre.caller, pre.rate
-            call.authenticated = True
-        else:
-            call.authorization, call.api_key = md.get("authorization"), md.get("x-api-key")
-            call.client = client_address(context.peer())
-        return call
+        return grpc_call(self.gw, self.limits, self.context, md, started)
 
     # -- the pipeline's steps, gRPC's part -------------------------------------------------------
     def check_head(self, call: Call) -> None:

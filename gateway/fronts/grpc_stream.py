@@ -35,14 +35,15 @@ from gateway.errors import (
     BadRequest,
     GatewayError,
     NoReadyServer,
-    Overloaded,
     RequestTooLarge,
     Unauthenticated,
     UpstreamRejected,
     UpstreamTimeout,
     grpc_code_for,
 )
-from gateway.fronts.forward_headers import forwarded_metadata
+from gateway.fleet.dispatch import check_version
+from gateway.fleet.router import Route
+from gateway.forward_headers import forwarded_metadata
 from gateway.fronts.grpc_front import SERVICE
 from gateway.fronts.grpc_infer import (
     OFF_LOOP_BYTES,
@@ -50,10 +51,10 @@ from gateway.fronts.grpc_infer import (
     _check_tensor_counts,
     _sequence_id,
 )
-from gateway.fronts.request_id import checked_request_id, new_request_id
-from gateway.pipeline.dispatch import check_version
+from gateway.fronts.request_id import checked_request_id
+from gateway.pipeline import admission, record
+from gateway.pipeline.call import Call
 from gateway.pipeline.shadow_send import version_field
-from gateway.state.auth import Principal
 from gateway.state.limits import client_address
 from gateway.upstream.haproxy import PEER_HEADER
 from gateway.upstream.server import UpstreamServer
@@ -67,13 +68,24 @@ _END = object()
 _SERVER_FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
-class _Idle:
-    """The last time anything moved on a stream, either way."""
+class OpenStream:
+    """One client stream as it goes: its `Call` (what admission took: key, caller, bytes, the stream
+    slot; where it went; how it ended), the client's side, and the last time anything moved."""
 
-    __slots__ = ("at",)
+    __slots__ = ("call", "requests", "context", "metadata", "idle_at")
 
-    def __init__(self, now: float) -> None:
-        self.at = now
+    def __init__(
+        self,
+        call: Call,
+        requests: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext,
+        metadata: dict[str, str],
+    ) -> None:
+        self.call = call
+        self.requests = requests
+        self.context = context
+        self.metadata = metadata
+        self.idle_at = call.started  # the last time anything moved, either way
 
 
 class StreamInfer:
@@ -81,7 +93,6 @@ class StreamInfer:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
-        self.slots = gateway.streams
         cfg = gateway.cfg
         self.idle_s = cfg.limits.stream_idle_timeout_s
         self.max_tensors = cfg.limits.max_tensors
@@ -95,66 +106,62 @@ class StreamInfer:
 
     async def serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         """The handler: responses are written here (`context.write`), in this task, so that a
-        client that stops reading is ended, and everything released, in this task's own code."""
+        client that stops reading is ended, and everything released, in this task's own code.
+        Admission as every request's (gateway/pipeline/admission.py): the key and the rate limit
+        when the stream opens, then a stream slot; `record.finish` gives everything back."""
         gw = self.gw
-        started = gw.clock()
-        md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        status = "OK"
-        model = region = server_name = ""
-        caller = ""
-        held = [0]  # bytes of the first message counted against its caller until written
+        stream = self._open(requests, context)
+        call = stream.call
         try:
-            checked_request_id(md.get("x-request-id"))
-            if gw.refusing:
-                raise Overloaded("gateway is shutting down; open the stream on another replica")
-            client = _client(context, md)
-            principal = gw.auth.authenticate(md.get("authorization"), md.get("x-api-key"))
-            await gw.check_rate(principal, client)
-            caller = gw.caller_of(principal, client)
-            with self.slots.hold(caller):
-                idle = _Idle(gw.clock())
-                first = await self._next(requests, idle)
-                if first is _END:
-                    return  # closed before sending anything: nothing to answer
-                assert isinstance(first, bytes)
-                self._check_size(first)
-                gw.bodies.reserve(caller, len(first))
-                held[0] = len(first)
-                req = self._check(await _parse(first), principal)
-                first = self._pinned(req, first)
-                model = req.model_name
-                server = self._server(req, md.get(self.region_key))
-                region, server_name = server.region, server.name
-                relay = self._relay(
-                    server, first, held, requests, principal, client, caller, md, context, idle
-                )
-                async with contextlib.aclosing(relay) as responses:
-                    async for response in responses:
-                        await self._deliver(context, response, idle)
+            call.request_id = checked_request_id(stream.metadata.get("x-request-id"))
+            await admission.enter(gw, call, "stream")
+            first = await self._next(stream)
+            if first is _END:
+                return  # closed before sending anything: nothing to answer
+            assert isinstance(first, bytes)
+            self._check_size(first)
+            admission.hold(gw, call, len(first))
+            req = self._check(call, await _parse(first))
+            first = self._pinned(req, first)
+            call.model = req.model_name
+            server = self._server(req, call.pinned)
+            call.route = Route(server, server.region, False)
+            async with contextlib.aclosing(self._relay(stream, server, first)) as responses:
+                async for response in responses:
+                    await self._deliver(stream, response)
         except GatewayError as exc:
-            status = exc.grpc_code.name
+            call.status = exc.grpc_code.name
             await context.abort(grpc_code_for(exc), exc.message)
         except grpc.aio.AbortError:
             raise
         except asyncio.CancelledError:
-            status = "CANCELLED"
+            call.status = "CANCELLED"
             raise
         except BaseException:
-            status = "INTERNAL"
+            call.status = "INTERNAL"
             raise
         finally:
-            gw.bodies.release(caller, held[0])
-            gw.metrics.request(model, region, server_name, "grpc_stream", status, gw.clock() - started)
+            record.finish(gw, call)
 
-    async def _deliver(self, context: grpc.aio.ServicerContext, response: bytes, idle: _Idle) -> None:
+    def _open(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> OpenStream:
+        """The stream's call: named (no model yet) so that the key and the rate limit are checked
+        as it opens; each message's model is checked as it comes."""
+        md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        call = Call("grpc_stream", self.gw.clock(), named=True, status="OK")
+        call.client = _client(context, md)
+        call.authorization, call.api_key = md.get("authorization"), md.get("x-api-key")
+        call.pinned = md.get(self.region_key)
+        return OpenStream(call, requests, context, md)
+
+    async def _deliver(self, stream: OpenStream, response: bytes) -> None:
         """One response to the client; a client that reads nothing for the idle bound ends its stream."""
         try:
-            await asyncio.wait_for(context.write(response), self.idle_s)
+            await asyncio.wait_for(stream.context.write(response), self.idle_s)
         except asyncio.TimeoutError:
             raise UpstreamTimeout(
                 f"the client read no response for {self.idle_s:g}s (limits.stream_idle_timeout_s)"
             ) from None
-        idle.at = self.gw.clock()
+        stream.idle_at = self.gw.clock()
 
     # -- one message ----------------------------------------------------------------------------
     def _check_size(self, raw: bytes) -> None:
@@ -167,9 +174,9 @@ class StreamInfer:
                 "(limits.max_stream_message_bytes: a caller's open streams times this fit its byte bound)"
             )
 
-    def _check(self, req: pb.ModelInferRequest, principal: Principal | None) -> pb.ModelInferRequest:
+    def _check(self, call: Call, req: pb.ModelInferRequest) -> pb.ModelInferRequest:
         """The message, checked as a unary ModelInfer is; GatewayError naming what is wrong."""
-        self.gw.admit_model(principal, req.model_name)
+        admission.check_model(self.gw, call, req.model_name)
         _check_tensor_counts(req, self.max_tensors)
         _check_echoed_lengths(req)
         return req
@@ -201,14 +208,14 @@ class StreamInfer:
                 return router.any_server()
             raise
 
-    async def _next(self, requests: AsyncIterator[bytes], idle: _Idle) -> bytes | object:
+    async def _next(self, stream: OpenStream) -> bytes | object:
         try:
-            message = await asyncio.wait_for(anext(requests), self.idle_s)
+            message = await asyncio.wait_for(anext(stream.requests), self.idle_s)
         except StopAsyncIteration:
             return _END
         except asyncio.TimeoutError:
             raise UpstreamTimeout(self._idle_message()) from None
-        idle.at = self.gw.clock()
+        stream.idle_at = self.gw.clock()
         return message
 
     def _idle_message(self) -> str:
@@ -216,49 +223,38 @@ class StreamInfer:
 
     # -- the stream -----------------------------------------------------------------------------
     async def _relay(
-        self,
-        server: UpstreamServer,
-        first: bytes,
-        held: list[int],
-        requests: AsyncIterator[bytes],
-        principal: Principal | None,
-        client: str,
-        caller: str,
-        md: dict[str, str],
-        context: grpc.aio.ServicerContext,
-        idle: _Idle,
+        self, stream: OpenStream, server: UpstreamServer, first: bytes
     ) -> AsyncGenerator[bytes, None]:
-        gw = self.gw
+        gw, call = self.gw, stream.call
         loop = asyncio.get_running_loop()
-        passed_on = forwarded_metadata(md, gw.forwarded)
-        bound = principal.headers if principal is not None else ()
-        request_id = md.get("x-request-id") or new_request_id()
-        call = server.streams.open(
-            (("x-request-id", request_id), *passed_on, *bound), context.time_remaining()
+        passed_on = forwarded_metadata(stream.metadata, gw.forwarded)
+        bound = call.principal.headers if call.principal is not None else ()
+        upstream = server.streams.open(
+            (("x-request-id", call.request_id), *passed_on, *bound), stream.context.time_remaining()
         )
         out: asyncio.Queue[bytes | object] = asyncio.Queue(_PENDING)
         server.open_streams += 1
         server.requests += 1
         tasks = [
-            loop.create_task(self._send(call, first, held, requests, principal, client, caller, out, idle)),
-            loop.create_task(self._receive(call, out, idle)),
+            loop.create_task(self._send(stream, upstream, first, out)),
+            loop.create_task(self._receive(stream, upstream, out)),
         ]
         try:
             # Where the stream went, before its first response (a unary call says so in trailers).
-            await context.send_initial_metadata(
+            await stream.context.send_initial_metadata(
                 (("x-skewserve-region", server.region), ("x-skewserve-server", server.name))
             )
             while True:
-                item = await self._taken(out, idle)
+                item = await self._taken(stream, out)
                 if item is _END:
                     break
                 if isinstance(item, _Failed):
                     raise item.error
                 assert isinstance(item, bytes)
                 yield item
-            code = await call.code()
+            code = await upstream.code()
             if code != grpc.StatusCode.OK:
-                details = await call.details() or code.name
+                details = await upstream.details() or code.name
                 if code in _SERVER_FAULTS:
                     gw.detector.failure(server, f"stream ended: {code.name}: {details}", gw.clock())
                     details = f"server {server.name}: {details}"
@@ -266,17 +262,17 @@ class StreamInfer:
             gw.detector.success(server)
         finally:
             server.open_streams -= 1
-            call.cancel()  # a no-op once it ended; otherwise the client went away or failed
+            upstream.cancel()  # a no-op once it ended; otherwise the client went away or failed
             for task in tasks:
                 task.cancel()
             # Waited for without raising their errors, and without swallowing this task's own cancel.
             await asyncio.wait(tasks)
 
-    async def _taken(self, out: asyncio.Queue[bytes | object], idle: _Idle) -> object:
+    async def _taken(self, stream: OpenStream, out: asyncio.Queue[bytes | object]) -> object:
         """The next response, or the end; DEADLINE_EXCEEDED when nothing moved for the idle bound
         (a message the client sent moves the bound on while this waits)."""
         while True:
-            left = idle.at + self.idle_s - self.gw.clock()
+            left = stream.idle_at + self.idle_s - self.gw.clock()
             if left <= 0:
                 raise UpstreamTimeout(self._idle_message())
             with contextlib.suppress(asyncio.TimeoutError):
@@ -284,74 +280,71 @@ class StreamInfer:
 
     async def _send(
         self,
-        call: grpc.aio.StreamStreamCall,
+        stream: OpenStream,
+        upstream: grpc.aio.StreamStreamCall,
         first: bytes,
-        held: list[int],
-        requests: AsyncIterator[bytes],
-        principal: Principal | None,
-        client: str,
-        caller: str,
         out: asyncio.Queue[bytes | object],
-        idle: _Idle,
     ) -> None:
         """The client's messages on to Triton as they come. Each counts against its caller from
         its arrival until written; then the rate, then the message (parsed off the loop when
         large) are checked; a refused one is answered here, in the stream, and the stream goes on."""
-        gw = self.gw
-        budget = gw.bodies
+        gw, call = self.gw, stream.call
         try:
-            await call.write(first)
-            budget.release(caller, held[0])
-            held[0] = 0
-            async for raw in requests:
-                idle.at = gw.clock()
-                if not gw.auth.is_current(principal):
-                    # A reload revoked (or changed) the key this stream was opened with: its next
-                    # message is not forwarded, and the stream ends.
-                    assert principal is not None
-                    revoked = Unauthenticated(
-                        f"API key {principal.name!r} was revoked or changed while this stream was open; "
-                        "open a new stream with a current key"
-                    )
+            await upstream.write(first)
+            admission.give_back(gw, call, len(first))
+            async for raw in stream.requests:
+                stream.idle_at = gw.clock()
+                try:
+                    admission.recheck(gw, call)
+                except Unauthenticated as revoked:
+                    # Its next message is not forwarded, and the stream ends.
                     await out.put(_Failed(revoked))  # queued before the cancel's end of Triton's side
-                    call.cancel()
+                    upstream.cancel()
                     return
-                req: pb.ModelInferRequest | None = None
-                try:
-                    self._check_size(raw)
-                    budget.reserve(caller, len(raw))
-                except GatewayError as exc:
-                    await out.put(_error_response(None, exc.message))
-                    continue
-                try:
-                    await gw.check_rate(principal, client)
-                    req = await _parse(raw)
-                    self._check(req, principal)
-                    await call.write(self._pinned(req, raw))
-                except GatewayError as exc:
-                    await out.put(_error_response(req, exc.message))
-                finally:
-                    budget.release(caller, len(raw))
-            await call.done_writing()
+                await self._forward(call, upstream, raw, out)
+            await upstream.done_writing()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # Triton ended the stream: its status is reported from the call
         except Exception as exc:  # never a silent stall: the stream ends, named, and the log says why
             logger.exception("stream: forwarding the client's messages failed")
-            call.cancel()
+            upstream.cancel()
             await out.put(
                 _Failed(GatewayError(f"the gateway failed forwarding this stream: {type(exc).__name__}"))
             )
 
+    async def _forward(
+        self, call: Call, upstream: grpc.aio.StreamStreamCall, raw: bytes, out: asyncio.Queue[bytes | object]
+    ) -> None:
+        """One message after the first: held, its rate and contents checked, written on; a refused
+        one answered in the stream."""
+        gw = self.gw
+        req: pb.ModelInferRequest | None = None
+        try:
+            self._check_size(raw)
+            admission.hold(gw, call, len(raw))
+        except GatewayError as exc:
+            await out.put(_error_response(None, exc.message))
+            return
+        try:
+            await admission.check_rate(gw, call)
+            req = await _parse(raw)
+            self._check(call, req)
+            await upstream.write(self._pinned(req, raw))
+        except GatewayError as exc:
+            await out.put(_error_response(req, exc.message))
+        finally:
+            admission.give_back(gw, call, len(raw))
+
     async def _receive(
-        self, call: grpc.aio.StreamStreamCall, out: asyncio.Queue[bytes | object], idle: _Idle
+        self, stream: OpenStream, upstream: grpc.aio.StreamStreamCall, out: asyncio.Queue[bytes | object]
     ) -> None:
         """Triton's responses as they come; the end (whatever the status) once its stream ends."""
         try:
             while True:
-                message = await call.read()
+                message = await upstream.read()
                 if message is grpc.aio.EOF:
                     break
-                idle.at = self.gw.clock()
+                stream.idle_at = self.gw.clock()
                 await out.put(message)
         except grpc.aio.AioRpcError:
             pass  # the status is read from the call

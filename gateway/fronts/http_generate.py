@@ -17,20 +17,30 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import quote
 
 from gateway.core import Gateway
-from gateway.errors import BadRequest, GatewayError, Overloaded, UpstreamTimeout, UpstreamUnavailable
-from gateway.fronts.forward_headers import checked_forward_header, checked_forwarded_total
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from gateway.fleet.dispatch import Attempt, check_version
+from gateway.forward_headers import checked_forward_header, checked_forwarded_total
+from gateway.fronts.http_infer import AsgiExchange, InferLimits, error_answer, receive_body
 from gateway.fronts.infer_body import OFF_LOOP_BYTES, check_triton_json, inflate_async, inflate_cap
 from gateway.fronts.request_id import checked_request_id, is_valid_request_id, new_request_id
-from gateway.pipeline.dispatch import check_version
+from gateway.pipeline import admission, record
+from gateway.pipeline.call import Call
+from gateway.pipeline.forward import set_deadline
 from gateway.upstream.http_client import HttpResponse
 from gateway.upstream.server import UpstreamServer
 from gateway.upstream.stream_client import StreamedResponse, open_stream
 
 logger = logging.getLogger(__name__)
+_RETURN = {b"content-type", b"inference-header-content-length", b"content-encoding"}
 _MAX_ERROR_BODY = 64 * 1024  # an error answer read whole before the client's stream begins
 # Triton answers a generate body whose values it cannot convert with 500 and this text: the client's fault.
 _TRITON_GENERATE_PARSE_ERROR = b'{"error":"Unable to parse'
@@ -63,178 +73,210 @@ def sse_error(message: str) -> bytes:
     return b"data: " + json.dumps({"error": message}).encode() + b"\n\n"
 
 
-class HttpFrontParts(Protocol):
-    """What generate shares with the infer path of gateway/fronts/http_front.py (a protocol rather than
-    the class: that module imports this one)."""
+class Generation:
+    """One generate or generate_stream request as it goes: its `Call` (what admission took, where it
+    went, how it ended) and what its wire needs on the way."""
 
-    gw: Gateway
-    region_header: bytes
-    timeout_header: bytes
-    max_bytes: int
-    inflate_ratio: float
+    __slots__ = (
+        "call",
+        "receive",
+        "send",
+        "path",
+        "forward",
+        "extra",
+        "encoding",
+        "sent_id",
+        "request_ids",
+        "payload",
+    )
 
-    async def _read_body(self, receive: Any, caller: str, held: list[int]) -> bytes: ...
-
-    async def _respond(self, send: Any, resp: HttpResponse, extra: list[tuple[bytes, bytes]]) -> None: ...
-
-    async def _error(
-        self, send: Any, exc: BaseException, extra: list[tuple[bytes, bytes]], request_id: str
-    ) -> int: ...
+    def __init__(self, call: Call, receive: Any, send: Any, path: bytes) -> None:
+        self.call = call
+        self.receive = receive
+        self.send = send
+        self.path = path  # as the client sent it; versioned when the gateway pins the stable version
+        self.forward: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
+        self.extra: list[tuple[bytes, bytes]] = []  # on every answer: the request id
+        self.encoding: str | None = None
+        self.sent_id: str | None = None  # the last x-request-id sent
+        self.request_ids = 0
+        # Held in a list the stream empties once Triton has it (minutes of a long generation must
+        # not keep the prompt in memory, uncounted).
+        self.payload: list[bytes] = []
 
 
 class GenerateFront:
-    def __init__(self, front: HttpFrontParts) -> None:
-        self.front = front
-        self.gw = front.gw
-        self.idle_s = self.gw.cfg.limits.stream_idle_timeout_s
+    def __init__(self, gw: Gateway, limits: InferLimits) -> None:
+        self.gw = gw
+        self.limits = limits  # the infer path's: body bound, inflation, read timeout, headers
+        self.idle_s = gw.cfg.limits.stream_idle_timeout_s
 
     async def __call__(
         self, scope: dict[str, Any], receive: Any, send: Any, model: str, version: str, streamed: bool
     ) -> None:
+        """Admission as every request's (gateway/pipeline/admission.py): the key, the model list and
+        the rate limit before a byte of the body; a stream slot before it (a stream), or the
+        in-flight slot once it is in (a request); everything given back by `record.finish`."""
         gw = self.gw
-        started = gw.clock()
-        sent: dict[bytes, str] = {}
-        forward: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
-        request_ids = 0
-        for k, v in scope["headers"]:
-            if k in (b"authorization", b"x-api-key", b"x-request-id", b"content-encoding"):
-                sent[k] = v.decode("latin-1")
-                request_ids += k == b"x-request-id"
-            elif k == self.front.region_header:
-                sent[b"pin"] = v.decode("latin-1")
-            elif k == self.front.timeout_header:
-                sent[b"timeout"] = v.decode("latin-1")
-            elif gw.forwarded(k.decode("latin-1")):
-                forward.append((k, v))
-        request_id = sent.get(b"x-request-id")
-        request_id = request_id if request_id and is_valid_request_id(request_id) else new_request_id()
-        extra = [(b"x-request-id", request_id.encode())]
-        status = "500"
-        where = ["", ""]  # region, server
-        caller = ""
-        held = [0]
+        gen = self._generation(scope, receive, send, model, version, streamed)
+        call = gen.call
         try:
-            version = check_version(version)
-            if request_ids > 1:
-                raise BadRequest(f"send one x-request-id header, got {request_ids}")
-            checked_request_id(sent.get(b"x-request-id"))
-            forward = [(k, checked_forward_header(k, v)) for k, v in forward]
-            checked_forwarded_total(forward)
-            if gw.refusing:
-                raise Overloaded("gateway is shutting down; retry on another replica")
-            client = (scope.get("client") or ("",))[0]
-            principal = await gw.check_caller(
-                model, sent.get(b"authorization"), sent.get(b"x-api-key"), client
-            )
-            caller = gw.caller_of(principal, client)
-            forward.append((b"x-request-id", request_id.encode()))
-            if principal is not None:  # the key's own headers (auth.keys[].headers)
-                forward += [(k.encode(), v.encode()) for k, v in principal.headers]
-            path = bytes(scope["raw_path"])
-            if gw.traffic is not None and not version:  # a model in canary: its stable version
-                version = gw.traffic.stable_pin(model, version)
-                if version:
-                    last = "generate_stream" if streamed else "generate"
-                    path = f"/v2/models/{quote(model, safe='')}/versions/{version}/{last}".encode()
+            self._check_head(gen)
+            await admission.enter(gw, call)
+            self._pin_stable(gen, streamed)
             if streamed:
-                with gw.streams.hold(caller):
-                    # Held in a list the stream empties once Triton has it (minutes of a long
-                    # generation must not keep the prompt in memory, uncounted).
-                    payload = [await self._body(receive, caller, held, sent.get(b"content-encoding"))]
-                    status = await self._stream(
-                        receive,
-                        send,
-                        model,
-                        version,
-                        sent,
-                        path,
-                        payload,
-                        forward,
-                        extra,
-                        where,
-                        caller,
-                        held,
-                    )
+                await admission.enter(gw, call, "stream")
+                gen.payload.append(await self._body(gen))
+                await self._stream(gen)
             else:
-                body = await self._body(receive, caller, held, sent.get(b"content-encoding"))
-                gw.inflight += 1
-                try:
-                    gw.check_slot()
-                    status = await self._generate(
-                        send, model, version, sent, path, body, forward, extra, where
-                    )
-                finally:
-                    gw.inflight -= 1
-        except GatewayError as exc:
-            status = str(await self.front._error(send, exc, extra, request_id))
+                gen.payload.append(await self._body(gen))
+                await admission.enter(gw, call, "request")
+                await self._generate(gen)
         except Exception as exc:
-            logger.exception("unhandled error in generate, request_id=%s", request_id)
-            status = str(await self.front._error(send, exc, extra, request_id))
+            if not isinstance(exc, GatewayError):
+                logger.exception("unhandled error in generate, request_id=%s", call.request_id)
+            call.status = str(await self._error(send, exc, gen.extra, call.request_id))
         finally:
-            gw.bodies.release(caller, held[0])
-            protocol = "http_stream" if streamed else "http"
-            gw.metrics.request(model, where[0], where[1], protocol, status, gw.clock() - started)
+            record.finish(gw, call)
 
-    async def _body(self, receive: Any, caller: str, held: list[int], encoding: str | None) -> bytes:
+    def _generation(
+        self, scope: dict[str, Any], receive: Any, send: Any, model: str, version: str, streamed: bool
+    ) -> Generation:
+        """The request's head read into its Call (checked by `_check_head`)."""
+        call = Call("http_stream" if streamed else "http", self.gw.clock(), model, version, named=True)
+        call.client = (scope.get("client") or ("",))[0]
+        gen = Generation(call, receive, send, bytes(scope["raw_path"]))
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                call.authorization = v.decode("latin-1")
+            elif k == b"x-api-key":
+                call.api_key = v.decode("latin-1")
+            elif k == b"x-request-id":
+                gen.sent_id = v.decode("latin-1")
+                gen.request_ids += 1
+            elif k == b"content-encoding":
+                gen.encoding = v.decode("latin-1")
+            elif k == self.limits.region_header:
+                call.pinned = v.decode("latin-1")
+            elif k == self.limits.timeout_header:
+                call.timeout_ms = v.decode("latin-1")
+            elif self.gw.forwarded(k.decode("latin-1")):
+                gen.forward.append((k, v))
+        # The last one sent, when valid: checked (and refused when wrong) in `_check_head`.
+        sent = gen.sent_id
+        call.request_id = sent if sent and is_valid_request_id(sent) else new_request_id()
+        gen.extra.append((b"x-request-id", call.request_id.encode()))
+        return gen
+
+    def _check_head(self, gen: Generation) -> None:
+        call = gen.call
+        call.version = check_version(call.version)
+        if gen.request_ids > 1:
+            raise BadRequest(f"send one x-request-id header, got {gen.request_ids}")
+        checked_request_id(gen.sent_id)
+        gen.forward = [(k, checked_forward_header(k, v)) for k, v in gen.forward]
+        checked_forwarded_total(gen.forward)
+
+    def _pin_stable(self, gen: Generation, streamed: bool) -> None:
+        """What is forwarded, once the caller is admitted: the request id, the key's own headers
+        (auth.keys[].headers); for a model in canary, its stable version in the path."""
+        call, gw = gen.call, self.gw
+        gen.forward.append((b"x-request-id", call.request_id.encode()))
+        if call.principal is not None:
+            gen.forward += [(k.encode(), v.encode()) for k, v in call.principal.headers]
+        if gw.traffic is not None and not call.version:
+            call.version = gw.traffic.stable_pin(call.model, call.version)
+            if call.version:
+                last = "generate_stream" if streamed else "generate"
+                gen.path = f"/v2/models/{quote(call.model, safe='')}/versions/{call.version}/{last}".encode()
+
+    async def _body(self, gen: Generation) -> bytes:
         """The request JSON (inflated), checked as Triton would read it: an object, and nothing
         Triton would answer with a 500 (a lone surrogate, a number beyond a double)."""
-        front = self.front
-        body = await front._read_body(receive, caller, held)
+        gw, call = self.gw, gen.call
+        exchange = AsgiExchange(gen.receive, gen.send)
+        limits = self.limits
+        body = await receive_body(
+            exchange, limits.max_bytes, limits.body_timeout_s, lambda n: admission.hold(gw, call, n)
+        )
+        encoding = gen.encoding
         if encoding is not None and encoding.strip().lower() not in ("", "identity"):
-            grow = max(inflate_cap(len(body), front.max_bytes, front.inflate_ratio) - len(body), 0)
-            self.gw.bodies.reserve(caller, grow)
-            held[0] += grow
-            body = await inflate_async(body, encoding, front.max_bytes, front.inflate_ratio)
+            grow = max(inflate_cap(len(body), limits.max_bytes, limits.inflate_ratio) - len(body), 0)
+            admission.hold(gw, call, grow)
+            body = await inflate_async(body, encoding, limits.max_bytes, limits.inflate_ratio)
         if len(body) > OFF_LOOP_BYTES:
             await asyncio.to_thread(_check_json, body)
         else:
             _check_json(body)
         return body
 
-    async def _generate(
-        self,
-        send: Any,
-        model: str,
-        version: str,
-        sent: dict[bytes, str],
-        path: bytes,
-        body: bytes,
-        forward: list[tuple[bytes, bytes]],
-        extra: list[tuple[bytes, bytes]],
-        where: list[str],
-    ) -> str:
-        gw = self.gw
-        deadline = gw.deadline(sent.get(b"timeout"), None, model)
+    @staticmethod
+    async def _respond(send: Any, resp: HttpResponse, extra: list[tuple[bytes, bytes]]) -> None:
+        headers = [(k.lower(), v) for k, v in resp.headers if k.lower() in _RETURN]
+        headers.append((b"content-length", str(len(resp.body)).encode()))
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers + extra})
+        await send({"type": "http.response.body", "body": resp.body})
+
+    @staticmethod
+    async def _error(send: Any, exc: BaseException, extra: list[tuple[bytes, bytes]], request_id: str) -> int:
+        status, headers, body = error_answer(exc, request_id)
+        headers = [*headers, (b"content-length", str(len(body)).encode()), *extra]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        return status
+
+    async def _generate(self, gen: Generation) -> None:
+        call, gw, path, body, forward = gen.call, self.gw, gen.path, gen.payload[0], gen.forward
+        set_deadline(gw, call, None)
 
         async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
             return _as_client_error(await server.http_request(b"POST", path, body, forward, timeout_s))
 
-        outcome = await gw.send(model, version, sent.get(b"pin"), deadline, attempt)
+        outcome = await gw.send(call.model, call.version, call.pinned, call.deadline, attempt)
         resp = outcome.value
-        where[:] = [outcome.route.region, outcome.route.server.name]
-        await self.front._respond(send, resp, [*extra, *_route_headers(outcome.route.server)])
-        return str(resp.status)
+        call.route = outcome.route
+        await self._respond(gen.send, resp, [*gen.extra, *_route_headers(outcome.route.server)])
+        call.status = str(resp.status)
 
-    async def _stream(
-        self,
-        receive: Any,
-        send: Any,
-        model: str,
-        version: str,
-        sent: dict[bytes, str],
-        path: bytes,
-        payload: list[bytes],
-        forward: list[tuple[bytes, bytes]],
-        extra: list[tuple[bytes, bytes]],
-        where: list[str],
-        caller: str,
-        held: list[int],
-    ) -> str:
-        gw = self.gw
-        # The deadline bounds the wait for Triton's answer to begin; once events flow the stream
-        # is bounded by its idle time instead (a long generation is not a slow server).
-        deadline = gw.deadline(sent.get(b"timeout"), None, model)
+    async def _stream(self, gen: Generation) -> None:
+        """The stream's server chosen and its answer begun (the deadline bounds that wait; once
+        events flow the stream is bounded by its idle time: a long generation is not a slow server),
+        then its events passed on until either side ends."""
+        call, gw = gen.call, self.gw
+        set_deadline(gw, call, None)
         opened: list[StreamedResponse] = []
+        try:
+            outcome = await gw.send(
+                call.model, call.version, call.pinned, call.deadline, self._opener(gen, opened), hedge=False
+            )
+            # Triton has the request: its bytes no longer count against the caller, nor stay in
+            # memory, for the stream's life (minutes, for a long generation).
+            gen.payload.clear()
+            admission.give_back(gw, call, call.held)
+            head, server = outcome.value, outcome.route.server
+            call.route = outcome.route
+            if head.status != 200:
+                await self._respond(gen.send, head, [*gen.extra, *_route_headers(server)])
+                call.status = str(head.status)
+                return
+            headers = [
+                (k.lower(), v) for k, v in head.headers if k.lower() in (b"content-type", b"cache-control")
+            ]
+            await gen.send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [*headers, *gen.extra, *_route_headers(server)],
+                }
+            )
+            call.status = await self._pass_on(gen, opened[-1], server)
+        finally:
+            for stream in opened:
+                stream.close()
+
+    def _opener(self, gen: Generation, opened: list[StreamedResponse]) -> Attempt[HttpResponse]:
+        """One attempt to open the stream on a server: its head, or its whole error answer."""
+        path, forward, payload = gen.path, gen.forward, gen.payload
 
         async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
             # One bound for the whole attempt: the head, and an error answer's body after it. Its
@@ -253,45 +295,24 @@ class GenerateFront:
             except TimeoutError:
                 raise UpstreamTimeout(f"{server.name}: no answer begun within {timeout_s:.3f}s") from None
 
+        return attempt
+
+    async def _pass_on(self, gen: Generation, stream: StreamedResponse, server: UpstreamServer) -> str:
+        """Triton's events to the client until the stream ends or the client goes; the status label."""
+        server.open_streams += 1
+        relay = asyncio.ensure_future(self._relay(stream, gen.send, server))
+        gone = asyncio.ensure_future(_disconnected(gen.receive))
         try:
-            outcome = await gw.send(model, version, sent.get(b"pin"), deadline, attempt, hedge=False)
-            # Triton has the request: its bytes no longer count against the caller, nor stay in
-            # memory, for the stream's life (minutes, for a long generation).
-            payload.clear()
-            gw.bodies.release(caller, held[0])
-            held[0] = 0
-            head, server = outcome.value, outcome.route.server
-            where[:] = [outcome.route.region, server.name]
-            if head.status != 200:
-                await self.front._respond(send, head, [*extra, *_route_headers(server)])
-                return str(head.status)
-            headers = [
-                (k.lower(), v) for k, v in head.headers if k.lower() in (b"content-type", b"cache-control")
-            ]
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [*headers, *extra, *_route_headers(server)],
-                }
-            )
-            server.open_streams += 1
-            relay = asyncio.ensure_future(self._relay(opened[-1], send, server))
-            gone = asyncio.ensure_future(_disconnected(receive))
-            try:
-                await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if relay.done():
-                    return relay.result()
-                return "499"  # the client went away: closing Triton's connection stops the generation
-            finally:
-                server.open_streams -= 1
-                for task in (relay, gone):
-                    task.cancel()
-                # Waited for without raising their errors, and without swallowing this task's own cancel.
-                await asyncio.wait({relay, gone})
+            await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if relay.done():
+                return relay.result()
+            return "499"  # the client went away: closing Triton's connection stops the generation
         finally:
-            for stream in opened:
-                stream.close()
+            server.open_streams -= 1
+            for task in (relay, gone):
+                task.cancel()
+            # Waited for without raising their errors, and without swallowing this task's own cancel.
+            await asyncio.wait({relay, gone})
 
     async def _relay(self, stream: StreamedResponse, send: Any, server: UpstreamServer) -> str:
         """Triton's events on to the client as they arrive; an error event at a failure or idle end.

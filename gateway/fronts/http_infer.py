@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import struct
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from gateway.errors import (
@@ -24,7 +25,8 @@ from gateway.errors import (
     UpstreamRejected,
     http_status_for,
 )
-from gateway.fronts.forward_headers import checked_forward_header, checked_forwarded_total
+from gateway.fleet.dispatch import Attempt, SequenceId, check_version
+from gateway.forward_headers import checked_forward_header, checked_forwarded_total
 from gateway.fronts.infer_body import (
     OFF_LOOP_BYTES,
     InferBody,
@@ -38,7 +40,6 @@ from gateway.pipeline import admission
 from gateway.pipeline.answer_classes import http_classes
 from gateway.pipeline.cache_alias import ExactAliases
 from gateway.pipeline.call import Call
-from gateway.pipeline.dispatch import Attempt, SequenceId, check_version
 from gateway.pipeline.shadow_send import versioned_path
 from gateway.state.cache import cache_key_async
 from gateway.upstream.http_client import HttpResponse
@@ -148,6 +149,41 @@ class Exchange(Protocol):
         """(bytes, more to come), or None when the client disconnected."""
 
     async def write(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
+
+
+async def receive_body(
+    exchange: Exchange, limit: int, timeout_s: float, hold: Callable[[int], None]
+) -> bytes:
+    """The whole body within `timeout_s` (limits.body_read_timeout_s), each chunk counted against
+    its caller (`hold`) before it is kept."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _receive_chunks(exchange, limit, hold)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"request body not received within {timeout_s:g} s "
+            "(limits.body_read_timeout_s); send the body without pauses",
+            headers={"connection": "close"},
+        ) from None
+
+
+async def _receive_chunks(exchange: Exchange, limit: int, hold: Callable[[int], None]) -> bytes:
+    chunks = []
+    size = 0
+    while True:
+        got = await exchange.receive_chunk()
+        if got is None:
+            raise BadRequest("the client disconnected before sending the whole request body")
+        chunk, more = got
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
+            hold(len(chunk))
+            chunks.append(chunk)
+        if not more:
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class InferLimits:
@@ -286,36 +322,10 @@ class HttpWire:
             admission.hold(self.gw, call, len(whole))
             self.body = whole
             return
-        timeout_s = self.limits.body_timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                self.body = await self._receive(call)
-        except TimeoutError:
-            raise RequestTimeout(
-                f"request body not received within {timeout_s:g} s "
-                "(limits.body_read_timeout_s); send the body without pauses",
-                headers={"connection": "close"},
-            ) from None
-
-    async def _receive(self, call: Call) -> bytes:
-        """The whole body, each chunk counted against its caller before it is kept."""
-        chunks = []
-        size = 0
-        limit = self.limits.max_bytes
-        while True:
-            got = await self.exchange.receive_chunk()
-            if got is None:
-                raise BadRequest("the client disconnected before sending the whole request body")
-            chunk, more = got
-            if chunk:
-                size += len(chunk)
-                if size > limit:
-                    raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
-                admission.hold(self.gw, call, len(chunk))
-                chunks.append(chunk)
-            if not more:
-                break
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        gw, limits = self.gw, self.limits
+        self.body = await receive_body(
+            self.exchange, limits.max_bytes, limits.body_timeout_s, lambda n: admission.hold(gw, call, n)
+        )
 
     def alias(self, call: Call, resolved: str, tenant: str) -> bytes | None:
         """Names these exact bytes as accepted here: model, resolved version, path, header length and

@@ -1,1 +1,1 @@
-"""Running the gateway: metrics, Triton statistics merging, the ops listener, the worker supervisor, logs."""
+"""Watching the gateway run: metrics and their merging across workers, step costs, logs."""

@@ -329,7 +329,7 @@ class GatewayMetrics:
         self.registry.register(_TrafficCollector(plans))
 
     def attach_step_costs(self, costs: Any) -> None:
-        """Per-step time of the request pipeline (`step_timing: true`; gateway/pipeline/step_costs.py)."""
+        """Per-step time of the request pipeline (`step_timing: true`; gateway/operations/step_costs.py)."""
         self.registry.register(_StepCollector(costs))
 
     def render(self) -> bytes:

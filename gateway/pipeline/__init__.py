@@ -1,2 +1,4 @@
-"""One request's path, shared by both fronts: admission, body, alias and key, cache and coalescing,
-route, dispatch with retries and hedging, respond, record; each step its own module."""
+"""One request's path, shared by both fronts: admission (every endpoint's: infer, generate, the
+streams, metadata, statistics), body, alias and key, cache and coalescing, forward, respond, record;
+each step its own module. The dispatcher it forwards through is the engine under `Gateway`
+(gateway/fleet/dispatch.py)."""

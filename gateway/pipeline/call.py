@@ -8,22 +8,26 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
 
-from gateway.pipeline.dispatch import Attempt, SequenceId
+from gateway.fleet.dispatch import Attempt, SequenceId
 
 if TYPE_CHECKING:
     from gateway.fleet.router import Route
-    from gateway.fleet.traffic import Plan
+    from gateway.fleet.traffic_plan import Plan
     from gateway.fleet.traffic_tally import Role
     from gateway.state.auth import Principal
 
 A = TypeVar("A")  # a front's answer: HttpResponse, or a serialized ModelInferResponse
+# What a call holds while it runs (gateway/pipeline/admission.py): an in-flight slot (a request
+# and its answer) or a stream slot (a stream, for as long as it stays open).
+Slot = Literal["request", "stream"]
 
 
 @dataclass(slots=True, eq=False)
 class Call:
-    """What the wire said and what the steps decided, for one request."""
+    """What the wire said and what the steps decided, for one request or stream: what admission
+    took (key, caller, bytes, slot), where it went, how it ended."""
 
     protocol: str  # "http" | "grpc": the metrics label
     started: float
@@ -46,7 +50,7 @@ class Call:
     rate: asyncio.Future[None] | None = None  # a rate check already under way (the gRPC bridge's)
     caller: str = ""  # whom the request's bytes are counted against
     held: int = 0  # bytes counted in gw.bodies, given back when the call ends
-    counted: bool = False  # in gw.inflight
+    slot: Slot | None = None  # held in gw.inflight or gw.streams until admission.release
     deadline: float = 0.0
     plan: Plan | None = None
     role: Role | None = None

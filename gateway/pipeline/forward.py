@@ -1,5 +1,5 @@
 """Route and dispatch: retries, hedging, deadlines and cold starts (gateway/core.py `Gateway.send`,
-gateway/pipeline/dispatch.py), for a request whose answer is its own."""
+gateway/fleet/dispatch.py), for a request whose answer is its own."""
 
 from __future__ import annotations
 
@@ -68,3 +68,13 @@ def set_deadline(gw: Gateway, call: Call, request: Request[A] | None) -> None:
     own deadline; else the model's or the default (gateway/core.py `Gateway.deadline`)."""
     timeout_us = None if request is None else request.timeout_us
     call.deadline = gw.deadline(call.timeout_ms, timeout_us, call.model, call.call_remaining)
+
+
+def plain_deadline(gw: Gateway, call: Call) -> float:
+    """The deadline of a call that is no inference (metadata, statistics): the client's own (its
+    timeout header, or what was left of a gRPC call's deadline when the call started), else the
+    default."""
+    left = call.call_remaining
+    if left is not None:
+        left = max(0.0, left - (gw.clock() - call.started))
+    return gw.deadline(call.timeout_ms, None, "", left)

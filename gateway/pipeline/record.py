@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gateway.pipeline import canary
+from gateway.pipeline import admission, canary
 from gateway.pipeline.call import Call
 
 if TYPE_CHECKING:
@@ -13,11 +13,7 @@ if TYPE_CHECKING:
 
 
 def finish(gw: Gateway, call: Call) -> None:
-    gw.bodies.release(call.caller, call.held)
-    call.held = 0
-    if call.counted:
-        gw.inflight -= 1
-        call.counted = False
+    admission.release(gw, call)
     canary.tally(gw, call)
     route = call.route
     gw.metrics.request(

@@ -13,7 +13,7 @@ answer, refuse); the steps run in this order, each its own module:
   shadow     a mirror to the candidate, after the answer is sent             (pipeline/shadow_send.py)
   record     bytes and slot given back, metrics, the canary's tally           (pipeline/record.py)
 
-With `step_timing` each step's time is summed (gateway/pipeline/step_costs.py).
+With `step_timing` each step's time is summed (gateway/operations/step_costs.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from gateway.pipeline import admission, cached, forward, record, shadow_send
+from gateway.pipeline import admission, cached, canary, forward, record, shadow_send
 from gateway.pipeline.cache_alias import ExactAliases
 from gateway.pipeline.call import Call, Request
 
@@ -65,13 +65,12 @@ async def infer(gw: Gateway, call: Call, wire: Wire[A]) -> None:
     t = costs.now()
     try:
         wire.check_head(call)
-        admission.authenticate(gw, call)
-        await admission.admit(gw, call)  # when the path named the model
+        await admission.enter(gw, call)  # the key; the model list and rate when the path named it
         t = costs.lap("admission", t)
         await wire.read(call)
         t = costs.lap("body", t)
-        await admission.admit(gw, call)  # when the message named it
-        admission.take_slot(gw, call)
+        await admission.enter(gw, call, "request")  # when the message named it; the slot
+        canary.choose(gw, call)
         t = costs.lap("admission", t)
         resolved = alias = None
         if gw.cache_enabled(call.model) and not call.passed_on:

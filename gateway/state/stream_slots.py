@@ -8,9 +8,6 @@ address with auth off), so one caller opening streams it never uses is refused b
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 from gateway.errors import BodiesExhausted
 
 
@@ -27,9 +24,9 @@ class StreamSlots:
         self.open = 0
         self._by_caller: dict[str, int] = {}
 
-    @contextlib.contextmanager
-    def hold(self, caller: str) -> Iterator[None]:
-        """One stream of `caller` open for the block; StreamsExhausted naming the bound otherwise."""
+    def take(self, caller: str) -> None:
+        """One more stream of `caller` open (given back by `give_back`); StreamsExhausted naming
+        the bound otherwise."""
         mine = self._by_caller.get(caller, 0)
         if mine >= self.per_caller:
             raise StreamsExhausted(
@@ -42,12 +39,11 @@ class StreamSlots:
             )
         self.open += 1
         self._by_caller[caller] = mine + 1
-        try:
-            yield
-        finally:
-            self.open -= 1
-            left = self._by_caller[caller] - 1
-            if left:
-                self._by_caller[caller] = left
-            else:
-                del self._by_caller[caller]
+
+    def give_back(self, caller: str) -> None:
+        self.open -= 1
+        left = self._by_caller[caller] - 1
+        if left:
+            self._by_caller[caller] = left
+        else:
+            del self._by_caller[caller]

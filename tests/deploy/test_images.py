@@ -62,7 +62,7 @@ def test_gateway_extra_carries_no_training_export_or_loadtest_dependency() -> No
 
 def test_gateway_entry_point_imports_nothing_heavy() -> None:
     code = (
-        "import sys; import skewserve.cli, gateway.server, gateway.core, gateway.fronts.grpc_front, gateway.fronts.http_front; "
+        "import sys; import skewserve.commands.main, gateway.server, gateway.core, gateway.fronts.grpc_front, gateway.fronts.http_front; "
         "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
     )
     loaded = set(
@@ -138,7 +138,7 @@ def test_the_controller_runs_from_the_gateway_image_without_heavy_imports() -> N
     """The image copies exporter/ and training/ file by file: whatever the controller imports of
     them must be among those files, and nothing heavy may load."""
     code = (
-        "import sys, controller.reconcile, controller.runner, controller.rollout, skewserve.cli; "
+        "import sys, controller.reconcile, controller.runner, controller.rollout, skewserve.commands.main; "
         "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('exporter', 'training', 'torch', 'onnx', 'onnxruntime', 'pandas'))))"
     )

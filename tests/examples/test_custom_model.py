@@ -27,7 +27,7 @@ FACTORY = f"{ROOT}/examples/custom_model/separable_net.py:build"
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
-        [sys.executable, "-m", "skewserve.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "skewserve", *args], cwd=cwd, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -163,7 +163,7 @@ def test_loadtest_sends_the_api_key_from_the_environment(served) -> None:
     gw = launch_gateway(cfg, work / "gw-keys")
     try:
         args = [
-            sys.executable, "-m", "skewserve.cli", "loadtest", "--target", f"http://{gw.http}", "--model", "sep",
+            sys.executable, "-m", "skewserve", "loadtest", "--target", f"http://{gw.http}", "--model", "sep",
             "--samples", str(work / "digits"), "--keys", "20", "--users", "1", "--spawn-rate", "1",
             "--requests", "5", "--duration", "100s", "--out", str(work / "lt-keys"),
         ]  # fmt: skip

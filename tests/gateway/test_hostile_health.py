@@ -29,9 +29,9 @@ from tritonclient.utils import InferenceServerException
 from gateway.config import ConfigError, GatewayConfig, HealthConfig, ServerConfig, load_gateway_config
 from gateway.errors import InvalidVersion
 from gateway.fleet.balancer import RoundRobinBalancer
+from gateway.fleet.dispatch import check_version
 from gateway.fleet.health import OutlierDetector
 from gateway.fleet.router import Region, RegionRouter, rendezvous
-from gateway.pipeline.dispatch import check_version
 from gateway.upstream.server import UpstreamServer
 from skewserve.ports import free_port
 from skewserve.triton_process import TritonServer

@@ -440,7 +440,9 @@ def test_new_limits_reach_the_code_using_them() -> None:
     async def run() -> None:
         gw = Gateway(cfg)
         http, grpc_front = HttpFront(gw), GrpcFront(gw)
-        assert (http.max_tensors, http.inflate_ratio, grpc_front.max_tensors) == (7, 12.5, 7)
+        assert (http.limits.max_tensors, http.limits.inflate_ratio) == (7, 12.5)
+        assert grpc_front.limits.max_tensors == 7
+        assert http.generate.limits is http.limits  # generate reads its body under infer's bounds
         assert (gw.bodies.limit, gw.bodies.per_caller) == (3000, 1500)  # half, at least one request
         uv = uvicorn_config(http, cfg)
         assert uv.http.header_timeout_s == 2.5  # type: ignore[union-attr]

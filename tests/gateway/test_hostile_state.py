@@ -503,7 +503,7 @@ def test_a_placeholder_hmac_secret_is_refused_at_start(tmp_path: Path, secret: s
         "regions: [{name: a, servers: [{name: s, http: '127.0.0.1:1', grpc: '127.0.0.1:2'}]}]\n"
     )
     res = subprocess.run(
-        [sys.executable, "-m", "skewserve.cli", "gateway", "--config", str(path)],
+        [sys.executable, "-m", "skewserve", "gateway", "--config", str(path)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -174,7 +174,7 @@ def _write_config(tmp_path: Path, listen: dict, **extra: object) -> Path:
         ("http_port", ["-m", "gateway"]),
         ("grpc_port", ["-m", "gateway"]),
         ("ops_port", ["-m", "gateway"]),
-        ("grpc_port", ["-m", "skewserve.cli", "gateway"]),
+        ("grpc_port", ["-m", "skewserve", "gateway"]),
     ],
 )
 def test_a_taken_port_fails_with_one_clear_line(tmp_path: Path, field: str, command: list[str]) -> None:

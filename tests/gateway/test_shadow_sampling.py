@@ -11,7 +11,7 @@ import struct
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from gateway.fleet.shadow import ClassSampler, water_fill
+from gateway.fleet.traffic_plan import ClassSampler, water_fill
 from gateway.pipeline.answer_classes import grpc_classes, http_classes
 from gateway.pipeline.shadow_send import version_field, versioned_path
 

@@ -262,14 +262,16 @@ def test_new_config_fields_reach_the_code_using_them() -> None:
 
 def test_model_labels_fold_unknown_and_unadmitted_models() -> None:
     from gateway.core import Gateway
+    from gateway.pipeline import admission
+    from gateway.pipeline.call import Call
 
     async def run() -> None:
         gw = Gateway(_cfg())
         gw.servers[0].known_models = {"lt"}  # what the repository index reported
         assert gw.model_label("lt") == OTHER_MODEL  # not admitted in this context
-        await gw.admit("lt", None, None)
+        await admission.enter(gw, Call("http", 0.0, "lt", named=True))
         assert gw.model_label("lt") == "lt"
-        await gw.admit("invented", None, None)
+        await admission.enter(gw, Call("http", 0.0, "invented", named=True))
         assert gw.model_label("invented") == OTHER_MODEL and gw.model_label("lt") == OTHER_MODEL
         for i in range(500):
             gw.metrics.request(f"m{i}", "", "", "http", "404", 0.001)
@@ -388,7 +390,7 @@ def test_hop_by_hop_keys_and_the_gateways_own_headers_are_never_forwarded(name: 
 
 def test_forwarded_metadata_is_checked_as_headers_are() -> None:
     from gateway.errors import BadRequest
-    from gateway.fronts.forward_headers import forwarded_metadata
+    from gateway.forward_headers import forwarded_metadata
 
     def everything(name: str) -> bool:
         return name != "authorization"

@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from gateway.operations.statistics import merge_statistics
+from gateway.pipeline.statistics import merge_statistics
 from gateway.state.auth import hash_key
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from gateway.config import ConfigError, GatewayConfig, HealthConfig, ServerConfig, load_gateway_config
 from gateway.errors import BadRequest, NoReadyServer, PermissionDenied, RateLimited, Unauthenticated
 from gateway.fleet.balancer import P2CEwmaBalancer, RoundRobinBalancer
+from gateway.fleet.dispatch import HEDGE_MIN_SAMPLES, RetryBudget, hedge_delay
 from gateway.fleet.health import OutlierDetector
 from gateway.fleet.router import Region, RegionRouter
-from gateway.pipeline.dispatch import HEDGE_MIN_SAMPLES, RetryBudget, hedge_delay
 from gateway.state.auth import Authenticator, TokenBucket, hash_key
 from gateway.state.cache import Coalescer, MemoryCache, cache_key
 from gateway.upstream.server import UpstreamServer
@@ -332,7 +332,7 @@ def test_cli_gateway_refuses_bad_config_with_the_field(tmp_path: Path) -> None:
     path = tmp_path / "gw.yaml"
     path.write_text("home_region: a\nregions: []\n")
     res = subprocess.run(
-        [sys.executable, "-m", "skewserve.cli", "gateway", "--config", str(path)],
+        [sys.executable, "-m", "skewserve", "gateway", "--config", str(path)],
         capture_output=True,
         text=True,
     )
@@ -367,7 +367,7 @@ def test_reloaded_keys_keep_their_buckets_and_removed_keys_are_refused() -> None
 
 
 def test_tritons_version_not_ready_answer_is_read_from_its_first_byte() -> None:
-    from gateway.pipeline.dispatch import not_ready_version
+    from gateway.fleet.dispatch import not_ready_version
 
     said = b'{"error":"Request for unknown model: \'lt\' version 2 is not at ready state"}'
     assert not_ready_version(said, "lt") == "2"

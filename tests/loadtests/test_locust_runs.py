@@ -48,7 +48,7 @@ def _loadtest(stack: LocalStack, protocol: str, out: Path, *extra: str) -> subpr
     cmd = [
         sys.executable,
         "-m",
-        "skewserve.cli",
+        "skewserve",
         "loadtest",
         "--target",
         target,
@@ -125,7 +125,7 @@ def test_unreachable_target_is_a_clear_error(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "skewserve.cli",
+            "skewserve",
             "loadtest",
             "--target",
             "http://127.0.0.1:9",

@@ -70,7 +70,7 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
         [
             sys.executable,
             "-m",
-            "skewserve.cli",
+            "skewserve",
             "train",
             "--data",
             str(data),

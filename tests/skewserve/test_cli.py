@@ -13,7 +13,7 @@ import tritonclient.http as httpclient
 
 from tests.process_helpers import cli_process, read_until
 
-SKEWSERVE = [sys.executable, "-m", "skewserve.cli"]
+SKEWSERVE = [sys.executable, "-m", "skewserve"]
 
 
 def test_help_lists_exactly_the_products_commands() -> None:

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import typer.main
 
-from skewserve.cli import app
+from skewserve.commands.main import app
 
-SKEWSERVE = [sys.executable, "-m", "skewserve.cli"]
+SKEWSERVE = [sys.executable, "-m", "skewserve"]
 
 
 def walk(command: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
@@ -63,7 +63,7 @@ def test_help_shows_the_commands_own_text(path: tuple[str, ...], command: Any) -
     assert res.returncode == 0, res.stderr
     assert res.stderr == ""
     out = squash(res.stdout)
-    usage = f"Usage: python -m skewserve.cli {' '.join(path)}".rstrip()
+    usage = f"Usage: python -m skewserve {' '.join(path)}".rstrip()
     assert out.startswith(usage + " "), res.stdout
     first_line = (command.help or "").strip().splitlines()[0]
     assert first_line, f"`skewserve {' '.join(path)}` has no help text"

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from skewserve.cli import KEY_IN_HISTORY_WARNING
+from skewserve.commands.gateway import KEY_IN_HISTORY_WARNING
 
-SKEWSERVE = [sys.executable, "-m", "skewserve.cli"]
+SKEWSERVE = [sys.executable, "-m", "skewserve"]
 EPOCH_LINE = re.compile(
     r"^train epoch (\d+)/(\d+): loss \d+\.\d{3}, val balanced acc \d\.\d{3}, rank imbalance \d+\.\d{2}$"
 )

@@ -165,7 +165,7 @@ def test_plan_command_prints_the_table_and_writes_json_and_png(tmp_path: Path) -
         [
             sys.executable,
             "-m",
-            "skewserve.cli",
+            "skewserve",
             "plan",
             "--traffic",
             str(tmp_path / "traffic.yaml"),
@@ -194,7 +194,7 @@ def test_plan_command_prints_the_table_and_writes_json_and_png(tmp_path: Path) -
     assert summary["regions"]["a"]["autoscaler"] == {"min": 5, "max": 11}
     assert Image.open(tmp_path / "out" / "plan.png").size[0] > 100
     missing = subprocess.run(
-        [sys.executable, "-m", "skewserve.cli", "plan", "--traffic", "t", "--prices", "p"],
+        [sys.executable, "-m", "skewserve", "plan", "--traffic", "t", "--prices", "p"],
         capture_output=True,
         text=True,
     )
@@ -213,7 +213,7 @@ def test_example_files_in_deploy_plan_load() -> None:
         load_prices(root / "prices.example.yaml"),
         PlanOptions(cache_hit_rate=0.3, spot_share=0.5),
     )
-    # the README's example figures
+    # docs/cost.md's example figures
     assert plan.summary()["monthly_cost"] == pytest.approx(2812.74)
     assert [(r.region, r.autoscaler_min, r.autoscaler_max) for r in plan.regions] == [
         ("us-east", 2, 6),
@@ -222,16 +222,16 @@ def test_example_files_in_deploy_plan_load() -> None:
 
 
 def test_the_readme_example_is_what_the_command_prints(tmp_path: Path) -> None:
-    """Every figure of the README's planner example: its command, run as written, prints that table
+    """Every figure of docs/cost.md's planner example: its command, run as written, prints that table
     and those summary lines (rich's box characters aside)."""
     root = Path(__file__).resolve().parents[2]
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "cost.md").read_text()
     start = readme.index("    skewserve plan --traffic deploy/plan/traffic.example.yaml")
     block = readme[start : readme.index("![plan:", start)]
     command_text, _, shown = block.partition("\n\n")
     args = command_text.replace("\\\n", " ").split()[2:]
     res = subprocess.run(
-        [sys.executable, "-m", "skewserve.cli", "plan", *args, "--out", str(tmp_path)],
+        [sys.executable, "-m", "skewserve", "plan", *args, "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         cwd=root,

@@ -22,7 +22,7 @@ from training.npy_rows import NpyRows
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "skewserve.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "skewserve", *args], cwd=cwd, capture_output=True, text=True, timeout=300
     )
 
 

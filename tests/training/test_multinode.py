@@ -39,7 +39,7 @@ class Node:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "skewserve.cli", "train", *args],
+            [sys.executable, "-m", "skewserve", "train", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,

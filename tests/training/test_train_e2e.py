@@ -83,7 +83,7 @@ def test_cli_train_reports_bad_data(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "skewserve.cli",
+            "skewserve",
             "train",
             "--data",
             str(tmp_path),
@@ -102,7 +102,7 @@ def test_bad_data_with_two_ranks_is_one_line_before_torchrun_starts(tmp_path: Pa
     (tmp_path / "train.csv").write_text("a,b,label\n1,,x\n2,inf,y\n,3,y\n")
     (tmp_path / "val.csv").write_text("a,b,label\n1,1,x\n2,2,y\n")
     res = subprocess.run(
-        [sys.executable, "-m", "skewserve.cli", "train", "--data", str(tmp_path), "--out", str(tmp_path / "o"),
+        [sys.executable, "-m", "skewserve", "train", "--data", str(tmp_path), "--out", str(tmp_path / "o"),
          "--nproc", "2"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -122,7 +122,7 @@ def test_data_inspect_warns_of_missing_and_singleton_classes(tmp_path: Path) -> 
     (tmp_path / "train.csv").write_text("a,label\n1,x\n2,x\n3,y\n4,z\n5,z\n")
     (tmp_path / "val.csv").write_text("a,label\n1,x\n2,y\n")
     res = subprocess.run(
-        [sys.executable, "-m", "skewserve.cli", "data", "inspect", "--data", str(tmp_path)],
+        [sys.executable, "-m", "skewserve", "data", "inspect", "--data", str(tmp_path)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr

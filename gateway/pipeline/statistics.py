@@ -1,4 +1,5 @@
-"""Triton's statistics extension through the gateway: one answer aggregated across servers.
+"""Triton's statistics extension through the gateway: one answer aggregated across servers, for
+both fronts (`answer`: each front brings only how it asks one server and how it writes the result).
 
 `GET /v2/models[/{m}[/versions/{v}]]/stats` and gRPC `ModelStatistics` ask every server the gateway
 would route the model to (the pinned region's servers when the client pins one) and answer in
@@ -14,11 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gateway.errors import BadRequest, NoReadyServer, RetryableUpstream, UpstreamRejected
+from gateway.pipeline import admission, forward
+from gateway.pipeline.call import Call
 from gateway.state.auth import Principal
 from gateway.upstream.server import UpstreamServer
+
+if TYPE_CHECKING:
+    from gateway.core import Gateway
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -153,3 +159,30 @@ async def gather_statistics(
         assert failed is not None
         raise failed
     return answers, answered
+
+
+async def answer(
+    gw: Gateway,
+    call: Call,
+    server: str | None,
+    fetch: Callable[[UpstreamServer, float], Awaitable[dict[str, Any]]],
+) -> tuple[dict[str, Any], list[UpstreamServer]]:
+    """The statistics a caller asked for, summed over the servers its model is routed to (or the one
+    `server` names): admitted as any request, each server asked with `fetch(server, seconds left)`,
+    and only the models the caller's key may use kept. Returns the answer and who gave it."""
+    async with admission.admitted(gw, call):
+        deadline = forward.plain_deadline(gw, call)
+        servers = statistics_servers(
+            gw.servers,
+            {name: region.servers for name, region in gw.router.regions.items()},
+            call.model,
+            call.version,
+            call.pinned,
+            gw.cfg.routing.region_header,
+            gw.clock(),
+            server,
+        )
+        answers, answered = await gather_statistics(
+            servers, lambda s: fetch(s, max(0.0, deadline - gw.clock()))
+        )
+        return only_allowed(merge_statistics(answers), call.principal), answered
