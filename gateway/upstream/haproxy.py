@@ -84,15 +84,24 @@ def _tls(pem: Path | None) -> str:
     return "" if pem is None else f" ssl crt {pem} alpn h2"
 
 
-def _per_source(limit: int) -> str:
+def _per_source(limit: int, cap: int) -> str:
     """Open connections per client address (an IPv6 /64, as the HTTP side keys them), counted in a
-    stick table bounded in entries; one past the limit is closed before a byte is read."""
+    stick table bounded in entries; one past the limit is closed before a byte is read.
+
+    And a fair share of the listener's cap: once half of `cap` is taken, an address that already
+    holds its share (cap/256, at least 1) gets no more, so newcomers always find room. Flooding the
+    cap then takes cap/2 / limit addresses at their bound plus cap/2 / share more (136 addresses
+    at the defaults), where it took cap / limit (16) before. HAProxy cannot close another source's
+    idle connection to make room, as the HTTP listener does (gateway/fronts/http_protocol.py); it
+    keeps room instead."""
     if not limit:
         return ""
+    share = max(1, cap // 256)
     return f"""\
   stick-table type ipv6 size 100k expire 60s store conn_cur
   tcp-request connection track-sc0 src,ipmask(32,64)
   tcp-request connection reject if {{ sc0_conn_cur gt {limit} }}
+  tcp-request connection reject if {{ fe_conn ge {max(1, cap // 2)} }} {{ sc0_conn_cur gt {share} }}
 """
 
 
@@ -147,7 +156,7 @@ frontend grpc_in
   # A stream's client may be silent while its answers flow: the workers bound idle streams by
   # name (limits.stream_idle_timeout_s); HAProxy's own cut comes only after theirs.
   timeout client {max(300.0, spec.stream_idle_timeout_s + 30):g}s
-{_per_source(spec.max_connections_per_source)}  http-request set-header {PEER_HEADER} %[src]
+{_per_source(spec.max_connections_per_source, spec.max_connections)}  http-request set-header {PEER_HEADER} %[src]
   http-request del-header {TARGET_IP_HEADER}
   http-request del-header {TARGET_PORT_HEADER}
 {_unserved(spec.served_paths)}  # Streams cannot cross an HTTP/1.1 request/response: HTTP/2 on to the workers' grpc.aio sockets.

@@ -619,6 +619,43 @@ def test_a_few_sources_flooding_idle_connections_cannot_lock_newcomers_out(cappe
     assert closed >= 16, closed  # the flooders paid for the room, not the victim
 
 
+def _refused_at_once(s: socket.socket) -> bool:
+    """Sent the HTTP/2 preface: whether HAProxy closed the connection without a byte (refused at
+    accept). An accepted one hears its SETTINGS; one HAProxy has not accepted yet hears nothing."""
+    try:
+        s.sendall(H2_OPENING)
+        s.settimeout(KEEP_ALIVE_S / 2)  # within the flood's lifetime: its idle closes come later
+        return s.recv(65536) == b""
+    except TimeoutError:
+        return False  # queued behind the listener's cap: not refused, not served either
+    except OSError:
+        return True  # reset
+
+
+def test_a_few_sources_flooding_the_grpc_port_leave_room_for_newcomers(capped: GatewayUnderTest) -> None:
+    """Issue 40, item 7 on the gRPC port (HAProxy's listener, cap 32, 8 per address): six addresses
+    at their bound filled the cap and every newcomer queued until the flood idled out. Now, once
+    half the cap is taken, an address already holding its share gets no more: the flood holds
+    about half and a newcomer is served at once, every time."""
+    held: list[socket.socket] = []
+    refused = 0
+    for n in range(2, 8):
+        for _ in range(8):
+            try:
+                held.append(_connect_from(capped.grpc, f"127.0.0.{n}"))
+            except OSError:  # HAProxy's reset can arrive while connecting
+                refused += 1
+    refused += sum(_refused_at_once(s) for s in held)
+    try:
+        assert refused >= 48 - 32 // 2 - 4, refused  # 2 addresses at 8, then 1 each for the other 4
+        with Victim(capped, key=None) as victim:
+            victim.wait_served(20)
+        assert victim.failed == []
+    finally:
+        for s in held:
+            s.close()
+
+
 def test_one_source_cannot_fill_the_grpc_port_and_idle_connections_close(bounded: GatewayUnderTest) -> None:
     opened: list[socket.socket] = []
     reset_at_connect = 0
