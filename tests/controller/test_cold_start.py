@@ -20,7 +20,7 @@ from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
 from tests.controller.conftest import controlled_server, controller_and_gateway
 from tests.fixtures_models import write_affine_model
-from tests.gateway.conftest import GatewayUnderTest
+from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway
 from tests.waiting import wait_until
 
 BODY = json.dumps(
@@ -138,3 +138,93 @@ def _slow_requests_outlive_their_eviction(server: TritonServer, gw: GatewayUnder
     # (afterwards LRU may swap them again: both were asked for; what matters happened above)
     log = server.log_text()
     assert "successfully unloaded 'slow'" in log and "successfully loaded 'cold'" in log
+
+
+@pytest.mark.slow
+def test_a_model_another_gateway_evicted_is_loaded_again_for_a_request_routed_to_it(
+    tmp_path: Path, prepared_triton: PreparedTriton
+) -> None:
+    """Two gateways, one server with room for one model. Gateway B's request for `b` evicts `a`;
+    gateway A, whose view still lists `a` on the server (its probes are far apart), routes a request
+    for `a` there: the server answers it no longer has it, and the request, finding it held nowhere,
+    waits for a cold start like a first request (one more ask) and is answered."""
+    repo = tmp_path / "repo"
+    for m in ("a", "b"):
+        write_affine_model(repo, m)
+    store = DiskStateStore(repo)
+    placement = PlacementConfig(
+        server_capacity_bytes=int(store.version_bytes("a", 1) * 1.5 * 1.5),
+        policy="lru",
+        recent_use_guard_s=0,
+        default=CopyBounds(min_copies=0),
+    )
+    cfg = ControllerConfig(interval_s=0.5, load_timeout_s=120, placement=placement)
+    server = controlled_server(repo, "s0", tmp_path / "logs", prepared_triton)
+    try:
+        server.start()
+        with controller_and_gateway([server], store, cfg, tmp_path / "gw-b", cold_start=True) as (
+            thread,
+            gw_b,
+        ):
+            assert thread.demand_api is not None
+            ask = {  # the controller as gateway B asks it (tests/controller/conftest.py)
+                "controller_url": f"http://127.0.0.1:{thread.demand_api.port}",
+                "token_file": str(tmp_path / "gw-b" / "controller-tokens" / "gateway-r"),
+            }
+            gw_a = launch_gateway(
+                gateway_config(
+                    {"r": [server]},
+                    home="r",
+                    cache={"models": []},
+                    cold_start=ask,
+                    health={"interval_s": 600},
+                ),
+                tmp_path / "gw-a",
+            )
+            try:
+                assert _infer(gw_a.http, "a")[0] == 200  # loaded on demand, listed by A's own probe
+                assert "a" in gw_a.server("s0")["models"]
+                assert _infer(gw_b.http, "b")[0] == 200  # evicts `a` (one model's room)
+                assert "successfully unloaded 'a'" in server.log_text()
+                assert "a" in gw_a.server("s0")["models"]  # A's view is stale: no probe since
+                api = thread.demand_api
+                assert api is not None
+                asks = api.asks
+                status, _, body = _infer(gw_a.http, "a")
+                assert status == 200, body
+                assert json.loads(body)["outputs"][0]["data"] == [3.0] * 4
+                assert api.asks == asks + 1  # held nowhere: a cold start, not a failure
+                assert server.log_text().count("successfully loaded 'a'") == 2
+            finally:
+                gw_a.stop()
+    finally:
+        server.stop()
+
+
+def test_a_request_waits_for_at_most_three_cold_starts_of_a_model_that_keeps_moving() -> None:
+    """The bound of the path above (gateway/core.py COLD_START_ROUNDS): a model placement keeps
+    moving away between its load and the request's next try is waited for three times, then the
+    request fails with the router's own NoReadyServer, naming the model."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from gateway.core import COLD_START_ROUNDS, Gateway
+    from gateway.errors import NoReadyServer
+
+    waited: list[str] = []
+
+    async def never_routed(*_args: object, **_kw: object) -> object:
+        raise NoReadyServer("model 'a' is ready on no server")
+
+    async def loaded_again(model: str, _deadline: float) -> bool:
+        waited.append(model)
+        return True  # the controller placed it; placement moves it before the next try
+
+    gw = SimpleNamespace(
+        dispatcher=SimpleNamespace(send=never_routed),
+        cold_start=SimpleNamespace(listed_anywhere=lambda _m: False, wait_ready=loaded_again),
+        router=SimpleNamespace(knows_model=lambda _m: True),
+    )
+    with pytest.raises(NoReadyServer, match="model 'a'"):
+        asyncio.run(Gateway.send(gw, "a", "", None, 1e9, lambda *_: None))  # type: ignore[arg-type]
+    assert COLD_START_ROUNDS == 3 and waited == ["a"] * 3
