@@ -155,6 +155,7 @@ def evaluate(
         batch_sampler=batches,
         collate_fn=identity_collate,
         num_workers=workers if len(batches) > 4 else 0,
+        generator=torch.Generator(),  # its workers' seed: never drawn from the training stream
     )
     preds = []
     model.eval()
@@ -298,6 +299,10 @@ class Trainer:
             pin_memory=self.placement.pin_memory,
             persistent_workers=self.workers > 0,
             prefetch_factor=4 if self.workers > 0 else None,
+            # Each iterator draws its workers' base seed from this generator, not from torch's global
+            # one: otherwise every epoch's (and every evaluation's) loader shifts the stream dropout
+            # and input noise draw from, and results depend on how often the loop evaluates.
+            generator=torch.Generator().manual_seed(cfg.seed),
         )
         self.start_epoch = 0
         self.resumed_from_epoch: int | None = None
