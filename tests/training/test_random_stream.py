@@ -16,7 +16,9 @@ from training.worker import Trainer, evaluate
 
 def test_loaders_never_draw_from_the_training_random_stream(small_data: Path, tmp_path: Path) -> None:
     trainer = Trainer(
-        TrainConfig(data_dir=small_data, out_dir=tmp_path / "out", nproc=1, progress=False, threads_per_rank=1)
+        TrainConfig(
+            data_dir=small_data, out_dir=tmp_path / "out", nproc=1, progress=False, threads_per_rank=1
+        )
     )
     try:
         before = torch.get_rng_state()
