@@ -101,6 +101,17 @@ def _controller(repo: Path, config: Path, log: Path, *extra: str) -> tuple[subpr
     return proc, found[0]
 
 
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every controller still running (a clean stop releases its lease), SIGKILL a stuck one."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 def _ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/readyz", timeout=5) as r:
@@ -159,13 +170,7 @@ def test_the_standby_takes_over_a_killed_leader_and_reconciles(
         wait_until(lambda: loaded(server) == {"lt": [1], "other": [1]}, 60, "the new leader loaded other")
         assert "now serves versions" not in (tmp_path / "second.log").read_text().split("leads (term 2)")[0]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        _stop(procs)
         server.stop()
 
 
@@ -221,13 +226,7 @@ def test_a_leader_killed_mid_canary_hands_it_over_and_the_canary_finishes(
         logs = (tmp_path / "first.log").read_text() + (tmp_path / "second.log").read_text()
         assert "unloaded" not in logs and "failed" not in logs.split("leads (term 2)")[-1]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        _stop(procs)
         for server in servers:
             server.stop()
 
@@ -322,12 +321,6 @@ def test_a_leader_killed_mid_placement_leaves_each_model_loaded_once_and_nothing
             assert "successfully unloaded" not in log, server.spec.name
         assert all(len(loaded(s)) >= 1 for s in servers)  # the copies are spread, not stacked
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        _stop(procs)
         for server in servers:
             server.stop()
