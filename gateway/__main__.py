@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from gateway.config import ConfigError, load_gateway_config
+from gateway.fleet.cascade import check_rules
 from gateway.fronts.grpc_plane import WorkerSlot
 from gateway.fronts.listen import ListenError
 from gateway.operations.logs import configure_logging
@@ -22,6 +23,7 @@ def main() -> None:
     args = parser.parse_args()
     try:
         cfg = load_gateway_config(args.config)
+        check_rules(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -35,11 +35,16 @@ class ServerConfig(_Strict):
     @field_validator("http", "grpc")
     @classmethod
     def _address(cls, v: str) -> str:
-        v = v.removeprefix("http://").removeprefix("grpc://").rstrip("/")
-        host, _, port = v.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{v!r} is not host:port (e.g. 127.0.0.1:8000)")
-        return v
+        return host_port(v)
+
+
+def host_port(v: str) -> str:
+    """`v` as host:port (a scheme and trailing slash dropped); ValueError saying the form otherwise."""
+    v = v.removeprefix("http://").removeprefix("grpc://").rstrip("/")
+    host, _, port = v.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{v!r} is not host:port (e.g. 127.0.0.1:8000)")
+    return v
 
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -671,6 +676,90 @@ class TrafficConfig(_Strict):
     )
 
 
+class RemoteGatewayConfig(_Strict):
+    """Another gateway (or any server speaking Triton's protocol) a cascade stage is sent to."""
+
+    http: str = Field(description="host:port of its HTTP listener")
+    grpc: str = Field(description="host:port of its gRPC listener")
+    api_key_file: str | None = Field(
+        default=None, min_length=1, description="file holding the API key sent to it (x-api-key)"
+    )
+
+    @field_validator("http", "grpc")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        return host_port(v)
+
+    @model_validator(mode="after")
+    def _key_readable(self) -> RemoteGatewayConfig:
+        if self.api_key_file is not None and not Path(self.api_key_file).is_file():
+            raise ValueError(
+                f"api_key_file {self.api_key_file!r} does not exist; give the file holding the key"
+            )
+        return self
+
+
+class CascadeStageConfig(_Strict):
+    """One stage of a cascade: a model of this fleet (optionally in one region) or behind another gateway."""
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="the stage's name in answers (edge, cloud)"
+    )
+    model: str = Field(min_length=1, description="the model the stage sends the request to")
+    region: str | None = Field(default=None, description="send only to this region of the fleet")
+    gateway: RemoteGatewayConfig | None = Field(
+        default=None, description="send to another gateway instead of this fleet"
+    )
+    deadline_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="most the stage may take (within the request's deadline); unset = the request's",
+    )
+    rule: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the deferral rule file (skewserve cascade calibrate) judging this stage's answer; "
+        "every stage but the last has one",
+    )
+
+    @model_validator(mode="after")
+    def _one_destination(self) -> CascadeStageConfig:
+        if self.region is not None and self.gateway is not None:
+            raise ValueError(
+                f"stage {self.name!r}: region and gateway both set; a stage goes to this fleet's region or to another gateway"
+            )
+        return self
+
+
+class CascadeConfig(_Strict):
+    """A served name answered by a cascade of models (docs/cascade.md)."""
+
+    name: str = Field(min_length=1, description="the model name clients send requests to")
+    stages: list[CascadeStageConfig] = Field(min_length=2)
+
+    @model_validator(mode="after")
+    def _rules(self) -> CascadeConfig:
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"cascade {self.name!r}: stage names must be unique, got {names}")
+        missing = [s.name for s in self.stages[:-1] if s.rule is None]
+        if missing:
+            raise ValueError(
+                f"cascade {self.name!r}: stages {missing} have no rule; every stage but the last needs one "
+                "(skewserve cascade calibrate writes it)"
+            )
+        if self.stages[-1].rule is not None:
+            raise ValueError(
+                f"cascade {self.name!r}: the last stage {self.stages[-1].name!r} has a rule, but nothing "
+                "comes after it; remove it"
+            )
+        if any(s.model == self.name and s.gateway is None for s in self.stages):
+            raise ValueError(
+                f"cascade {self.name!r}: a stage sends to the cascade itself; name another model"
+            )
+        return self
+
+
 class ReloadConfig(_Strict):
     """Live config reload: SIGHUP always re-reads the file; polling it is optional."""
 
@@ -708,6 +797,9 @@ class GatewayConfig(BaseSettings):
     cold_start: ColdStartConfig | None = Field(
         default=None, description="load models no server holds on demand (the controller's demand API)"
     )
+    cascades: list[CascadeConfig] = Field(
+        default_factory=list, description="served names answered by a cascade of models (docs/cascade.md)"
+    )
     step_timing: bool = Field(
         default=False,
         description="Time each step of the request pipeline (skewserve_gateway_step_seconds_total): "
@@ -741,7 +833,21 @@ class GatewayConfig(BaseSettings):
         if len(set(servers)) != len(servers):
             raise ValueError(f"regions.servers: server names must be unique across regions, got {servers}")
         self._workers_share_limits()
+        self._cascades_known()
         return self
+
+    def _cascades_known(self) -> None:
+        regions = {r.name for r in self.regions}
+        names = [c.name for c in self.cascades]
+        if len(set(names)) != len(names):
+            raise ValueError(f"cascades: names must be unique, got {names}")
+        for cascade in self.cascades:
+            for stage in cascade.stages:
+                if stage.region is not None and stage.region not in regions:
+                    raise ValueError(
+                        f"cascades: stage {stage.name!r} of {cascade.name!r} names region {stage.region!r}, "
+                        f"which is not one of the regions {sorted(regions)}"
+                    )
 
     def _workers_share_limits(self) -> None:
         # Per-process buckets in N workers would give each client N budgets.

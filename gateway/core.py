@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from gateway.config import GatewayConfig, ServerConfig
 from gateway.errors import BadRequest, NoReadyServer
 from gateway.fleet.balancer import make_balancer
+from gateway.fleet.cascade import Cascade
 from gateway.fleet.cold_start import ColdStart
 from gateway.fleet.discovery import Discovery
 from gateway.fleet.dispatch import WHOLE_DEADLINE, Attempt, Dispatcher, Outcome, SequenceId
@@ -146,6 +147,8 @@ class Gateway:
         self.refusing = False  # past the drain grace: new requests get 503
         self.metrics.attach_fleet(self.describe)
         self.step_costs = StepCosts(cfg.step_timing)
+        # served names answered by a chain of models (gateway/pipeline/cascade.py)
+        self.cascades = {c.name: Cascade(c, cfg.retries.connect_timeout_s, clock) for c in cfg.cascades}
         if cfg.step_timing:
             self.metrics.attach_step_costs(self.step_costs)
 
@@ -171,6 +174,8 @@ class Gateway:
         await asyncio.gather(*self._leaving, return_exceptions=True)
         for s in self.servers:
             await s.close()
+        for cascade in self.cascades.values():
+            await cascade.close()
         if self.grpc_relay is not None:
             await self.grpc_relay.close()
         if self.cache is not None:
@@ -311,7 +316,9 @@ class Gateway:
     def model_label(self, model: str) -> str:
         """`model` as a metric label: itself when a server has reported it loaded and this request
         was admitted to it; otherwise OTHER_MODEL, so invented names cannot grow /metrics."""
-        if _ADMITTED.get() == model and any(model in s.known_models for s in self.servers):
+        if _ADMITTED.get() == model and (
+            model in self.cascades or any(model in s.known_models for s in self.servers)
+        ):
             return model
         return OTHER_MODEL
 
@@ -503,4 +510,5 @@ class Gateway:
             "servers_draining": self.leaving(),
             "config_reloads": dict(self.reloads),
             "traffic": None if self.traffic is None else self.traffic.describe(),
+            "cascades": {name: c.describe() for name, c in self.cascades.items()},
         }

@@ -15,6 +15,11 @@ start. It is applied only whole, or not at all (one log line says why, and the r
   and drain (closed once their in-flight requests finished), so capacity is never lowered before
   it is replaced and a request is routed either before or after the change, never across it.
   The new key list takes effect in the same step (unchanged keys keep their rate buckets).
+- the deferral rules of cascades (`cascades[].stages[].rule`, docs/cascade.md) are read again
+  (their paths cannot change live, their content can): a rule that cannot be applied refuses the
+  reload; otherwise each cascade's rules change in the same step. A rule's digest is in every cache
+  key of its cascade, so an answer cached under the old rule is never served under the new one.
+  With `reload.watch_interval_s`, a change of a rule file reloads as a change of the config does.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 
 from gateway.config import ConfigError, GatewayConfig, RegionConfig, load_gateway_config
 from gateway.core import Gateway
+from gateway.fleet.cascade_rule import DeferralRule
 from gateway.upstream.server import UpstreamServer
 
 logger = logging.getLogger(__name__)
@@ -174,19 +180,36 @@ class ConfigReloader:
             if switch is not None:
                 return self._refuse(switch)
             try:
+                rules = await asyncio.to_thread(self._read_rules)
+            except ConfigError as exc:
+                return self._refuse(str(exc))
+            try:
                 changes = await apply_fleet(self.gw, new)
             except ReloadFailed as exc:
                 return self._refuse(str(exc))
+            for name, cascade_rules in rules.items():  # no await since apply_fleet's commit
+                changes += self.gw.cascades[name].use_rules(cascade_rules)
             self.gw.reloads["applied"] += 1
             logger.info("config reloaded from %s: %s", self.path, ", ".join(changes) or "no fleet change")
             return True
 
+    def _read_rules(self) -> dict[str, list[DeferralRule]]:
+        return {name: cascade.read_rules() for name, cascade in self.gw.cascades.items()}
+
+    def _watched(self) -> list[Path]:
+        """The config file and the rule files it names."""
+        rules = [Path(s.cfg.rule) for c in self.gw.cascades.values() for s in c.stages if s.cfg.rule]
+        return [self.path, *rules]
+
     async def _file_digest(self) -> bytes | None:
         try:
-            data = await asyncio.to_thread(self.path.read_bytes)
+            data = await asyncio.to_thread(lambda: [p.read_bytes() for p in self._watched()])
         except OSError:
             return None  # mid-swap (a ConfigMap update replaces a symlink): look again next time
-        return hashlib.sha256(data).digest()
+        h = hashlib.sha256()
+        for part in data:
+            h.update(hashlib.sha256(part).digest())
+        return h.digest()
 
     async def _poll(self, interval_s: float) -> None:
         while True:

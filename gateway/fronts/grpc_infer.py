@@ -18,12 +18,13 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
 from gateway.errors import BadRequest, GatewayError, grpc_code_for
+from gateway.fleet.cascade import Mark
 from gateway.fleet.dispatch import Attempt, SequenceId
 from gateway.forward_headers import forwarded_metadata
 from gateway.fronts.infer_body import MAX_UINT64, SHARED_MEMORY_PARAMETERS
 from gateway.fronts.request_id import checked_request_id, is_valid_request_id, new_request_id
 from gateway.pipeline import admission
-from gateway.pipeline.answer_classes import grpc_classes
+from gateway.pipeline.answer_classes import grpc_classes, grpc_output
 from gateway.pipeline.cache_alias import ExactAliases
 from gateway.pipeline.call import Call
 from gateway.pipeline.shadow_send import version_field
@@ -104,6 +105,48 @@ def _restamp(raw: bytes, request_id: str) -> bytes:
         return raw
     resp.id = request_id
     return resp.SerializeToString()
+
+
+def model_field(model: str) -> bytes:
+    """ModelInferRequest.model_name (field 1) as wire bytes: appended, it overrides the field (the
+    last value of a scalar field wins), so a cascade's stage gets the client's bytes unchanged."""
+    data = model.encode()
+    return b"\x0a" + _varint(len(data)) + data
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def mark_answer(raw: bytes, mark: Mark) -> bytes:
+    """A serialized answer with a cascade's mark in its `parameters`."""
+    resp = pb.ModelInferResponse.FromString(raw)
+    for name, value in mark.parameters().items():
+        param = resp.parameters[name]
+        if isinstance(value, bool):
+            param.bool_param = value
+        elif isinstance(value, float):
+            param.double_param = value
+        else:
+            param.string_param = value
+    return resp.SerializeToString()
+
+
+def mark_of(raw: bytes) -> Mark | None:
+    try:
+        resp = pb.ModelInferResponse.FromString(raw)
+    except DecodeError:
+        return None
+    params = {}
+    for name, param in resp.parameters.items():
+        kind = param.WhichOneof("parameter_choice")
+        params[name] = getattr(param, kind) if kind is not None else None
+    return Mark.from_parameters(params)
 
 
 def _timeout_us(req: pb.ModelInferRequest) -> int | None:
@@ -277,6 +320,9 @@ class GrpcWire:
         route = call.route
         if route is not None:
             trailing += [("x-skewserve-region", route.region), ("x-skewserve-server", route.server.name)]
+        mark = call.mark if call.mark is not None or call.cascade is None else mark_of(answer)
+        if mark is not None:
+            trailing += mark.headers()
         self.context.set_trailing_metadata(tuple(trailing))
         self.answer = answer
 
@@ -331,9 +377,17 @@ class GrpcInferRequest:
             material = req.SerializeToString(deterministic=True)
         return await cache_key_async("grpc", self.call.model, resolved, material, tenant=tenant)
 
-    def attempt(self, version: str | None = None, shared: bool = False) -> Attempt[bytes]:
+    def attempt(
+        self,
+        version: str | None = None,
+        shared: bool = False,
+        model: str | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> Attempt[bytes]:
         message = self.message if version is None else self.message + version_field(version)
-        metadata = self.metadata
+        if model is not None:  # a cascade's stage: the same request, to another model
+            message += model_field(model)
+        metadata = (*self.metadata, *headers)
 
         async def attempt(server: UpstreamServer, timeout_s: float) -> bytes:
             return await server.grpc_call("ModelInfer", message, timeout_s, metadata)
@@ -341,9 +395,27 @@ class GrpcInferRequest:
         return attempt
 
     @staticmethod
-    def storable(raw: bytes, resolved: str) -> bytes | None:
+    def storable(raw: bytes, resolved: str | None) -> bytes | None:
+        if resolved is None:
+            return raw
         answered = pb.ModelInferResponse.FromString(raw).model_version
         return raw if answered == resolved else None
+
+    @staticmethod
+    def succeeded(raw: bytes) -> bool:
+        return True  # Triton's refusals arrive as errors (UpstreamRejected)
+
+    @staticmethod
+    def output(raw: bytes, name: str) -> Any:
+        return grpc_output(raw, name)
+
+    @staticmethod
+    def marked(raw: bytes, mark: Mark) -> bytes:
+        return mark_answer(raw, mark)
+
+    @staticmethod
+    def mark_of(raw: bytes) -> Mark | None:
+        return mark_of(raw)
 
     @staticmethod
     def decode(stored: bytes) -> bytes:

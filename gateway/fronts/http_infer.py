@@ -16,6 +16,7 @@ import logging
 import struct
 from collections.abc import Callable
 from typing import Any, Protocol
+from urllib.parse import quote
 
 from gateway.errors import (
     BadRequest,
@@ -25,6 +26,7 @@ from gateway.errors import (
     UpstreamRejected,
     http_status_for,
 )
+from gateway.fleet.cascade import PARAMETERS, Mark, header_name
 from gateway.fleet.dispatch import Attempt, SequenceId, check_version
 from gateway.forward_headers import checked_forward_header, checked_forwarded_total
 from gateway.fronts.infer_body import (
@@ -37,7 +39,7 @@ from gateway.fronts.infer_body import (
 )
 from gateway.fronts.request_id import checked_request_id, is_valid_request_id, new_request_id
 from gateway.pipeline import admission
-from gateway.pipeline.answer_classes import http_classes
+from gateway.pipeline.answer_classes import http_classes, http_output
 from gateway.pipeline.cache_alias import ExactAliases
 from gateway.pipeline.call import Call
 from gateway.pipeline.shadow_send import versioned_path
@@ -49,7 +51,9 @@ logger = logging.getLogger(__name__)
 JSON = b"application/json"
 HEADER_LENGTH = b"inference-header-content-length"
 _FORWARD = {b"content-type", b"accept-encoding"}
-_RETURN = {b"content-type", HEADER_LENGTH, b"content-encoding"}
+# A cascade's mark travels in headers too, stored with the answer (gateway/fleet/cascade.py).
+_CASCADE_HEADERS = frozenset(header_name(p).encode() for p in PARAMETERS)
+_RETURN = {b"content-type", HEADER_LENGTH, b"content-encoding", *_CASCADE_HEADERS}
 # Triton answers JSON it cannot read with HTTP 500 and this text: the request's fault, not the server's.
 _TRITON_PARSE_ERROR = b'{"error":"failed to parse the request JSON buffer'
 
@@ -118,6 +122,22 @@ def restamp_id(resp: HttpResponse, request_id: str) -> HttpResponse:
         (k, str(len(new_header)).encode() if k.lower() == HEADER_LENGTH else v) for k, v in resp.headers
     ]
     return HttpResponse(resp.status, headers, new_header + resp.body[n:])
+
+
+def mark_answer(resp: HttpResponse, mark: Mark) -> HttpResponse:
+    """A successful answer with a cascade's mark in its `parameters` and in headers (any mark it
+    came with, from a gateway behind a stage, replaced)."""
+    header, n = _response_header_json(resp)
+    params = header.get("parameters")
+    header["parameters"] = {**(params if isinstance(params, dict) else {}), **mark.parameters()}
+    new_header = json.dumps(header, separators=(",", ":")).encode()
+    headers = [
+        (k, str(len(new_header)).encode() if k.lower() == HEADER_LENGTH else v)
+        for k, v in resp.headers
+        if k.lower() not in _CASCADE_HEADERS
+    ]
+    headers += [(k.encode(), v.encode()) for k, v in mark.headers()]
+    return HttpResponse(resp.status, headers, new_header if n is None else new_header + resp.body[n:])
 
 
 def error_answer(exc: BaseException, request_id: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -456,9 +476,17 @@ class HttpInferRequest:
         protocol = ("http-binary/" if parsed.header_length is not None else "http-json/") + version_tag
         return await cache_key_async(protocol, self.call.model, resolved, canonical, tensors, tenant)
 
-    def attempt(self, version: str | None = None, shared: bool = False) -> Attempt[HttpResponse]:
+    def attempt(
+        self,
+        version: str | None = None,
+        shared: bool = False,
+        model: str | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> Attempt[HttpResponse]:
         wire, call, parsed, body = self.wire, self.call, self.parsed, self.body
-        if version is not None:
+        if model is not None:  # a cascade's stage: the same request, to another model
+            path = f"/v2/models/{quote(model, safe='')}/infer".encode() + wire.query
+        elif version is not None:
             path = versioned_path(call.model, version, wire.query)
         elif call.plan is not None:  # a model in canary: the version chosen for this client
             path = versioned_path(call.model, call.version, wire.query)
@@ -469,6 +497,8 @@ class HttpInferRequest:
             # One stored entry must serve every client: ask Triton for the identity encoding
             # (HTTP lets a server ignore Accept-Encoding), so entries are never gzip bytes.
             forward = [(k, v) for k, v in forward if k != b"accept-encoding"]
+        if headers:
+            forward = [*forward, *((k.encode(), v.encode()) for k, v in headers)]
 
         async def attempt(server: UpstreamServer, timeout_s: float) -> HttpResponse:
             if parsed is None:
@@ -482,7 +512,7 @@ class HttpInferRequest:
         return attempt
 
     @staticmethod
-    def storable(resp: HttpResponse, resolved: str) -> bytes | None:
+    def storable(resp: HttpResponse, resolved: str | None) -> bytes | None:
         if resp.status != 200:
             return None
         try:
@@ -490,7 +520,27 @@ class HttpInferRequest:
         except ValueError:
             return None
         # Triton moved to a newer version than the health view knew: do not file it under the old one.
-        return encode_entry(resp) if answered == resolved else None
+        return encode_entry(resp) if resolved is None or answered == resolved else None
+
+    @staticmethod
+    def succeeded(resp: HttpResponse) -> bool:
+        return resp.status == 200
+
+    @staticmethod
+    def output(resp: HttpResponse, name: str) -> Any:
+        return http_output(resp.body, resp.header(HEADER_LENGTH), name) if resp.status == 200 else None
+
+    @staticmethod
+    def marked(resp: HttpResponse, mark: Mark) -> HttpResponse:
+        return mark_answer(resp, mark)
+
+    @staticmethod
+    def mark_of(resp: HttpResponse) -> Mark | None:
+        try:
+            params = _response_header_json(resp)[0].get("parameters")
+        except ValueError:
+            return None
+        return Mark.from_parameters(params) if isinstance(params, dict) else None
 
     @staticmethod
     def decode(stored: bytes) -> HttpResponse:

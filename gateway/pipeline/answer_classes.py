@@ -1,6 +1,7 @@
-"""The class of each row of an inference answer: the argmax of its class output, read from Triton's
-HTTP answer (JSON data or binary output) or gRPC answer. None when the answer holds no such output
-in a form read here; shadow traffic then skips the request rather than guessing."""
+"""The class output of an inference answer, row by row, read from Triton's HTTP answer (JSON data or
+binary output) or gRPC answer: the matrix itself (a cascade's rule reads the probabilities) or each
+row's argmax (shadow traffic). None when the answer holds no such output in a form read here; shadow
+traffic then skips the request, and a cascade escalates it, rather than guessing."""
 
 from __future__ import annotations
 
@@ -23,11 +24,15 @@ _DTYPES = {
 }
 
 
-def _rows(values: np.ndarray[Any, Any], shape: list[int]) -> list[str] | None:
+def _matrix(values: np.ndarray[Any, Any], shape: list[int]) -> np.ndarray[Any, Any] | None:
+    """One row per batch item (a shape without a batch axis is one row)."""
     if not shape or int(np.prod(shape)) != values.size or values.size == 0:
         return None
-    matrix = values.reshape(-1, shape[-1]) if len(shape) > 1 else values.reshape(1, -1)
-    return [str(int(i)) for i in matrix.argmax(axis=1)]
+    return values.reshape(-1, shape[-1]) if len(shape) > 1 else values.reshape(1, -1)
+
+
+def _classes(matrix: np.ndarray[Any, Any] | None) -> list[str] | None:
+    return None if matrix is None else [str(int(i)) for i in matrix.argmax(axis=1)]
 
 
 def _pick(outputs: list[Any], name: str, key: Any) -> int | None:
@@ -39,6 +44,15 @@ def _pick(outputs: list[Any], name: str, key: Any) -> int | None:
 
 
 def http_classes(body: bytes, header_length: bytes | None, output: str) -> list[str] | None:
+    return _classes(http_output(body, header_length, output))
+
+
+def grpc_classes(raw: bytes, output: str) -> list[str] | None:
+    return _classes(grpc_output(raw, output))
+
+
+def http_output(body: bytes, header_length: bytes | None, output: str) -> np.ndarray[Any, Any] | None:
+    """The output `output` (else the only one) of an HTTP answer, one row per item."""
     try:
         split = int(header_length) if header_length is not None else len(body)
         head = json.loads(body[:split])
@@ -52,17 +66,18 @@ def http_classes(body: bytes, header_length: bytes | None, output: str) -> list[
             return None
         shape = [int(d) for d in chosen["shape"]]
         if "data" in chosen:
-            return _rows(np.asarray(chosen["data"], dtype=dtype).ravel(), shape)
+            return _matrix(np.asarray(chosen["data"], dtype=dtype).ravel(), shape)
         offset = split
         for o in outputs[:i]:  # binary outputs follow the JSON header in order
             offset += int(o.get("parameters", {}).get("binary_data_size", 0))
         size = int(chosen["parameters"]["binary_data_size"])
-        return _rows(np.frombuffer(body[offset : offset + size], dtype=dtype), shape)
+        return _matrix(np.frombuffer(body[offset : offset + size], dtype=dtype), shape)
     except (ValueError, KeyError, TypeError, AttributeError, IndexError):
         return None
 
 
-def grpc_classes(raw: bytes, output: str) -> list[str] | None:
+def grpc_output(raw: bytes, output: str) -> np.ndarray[Any, Any] | None:
+    """The output `output` (else the only one) of a serialized ModelInferResponse, one row per item."""
     try:
         answer = pb.ModelInferResponse.FromString(raw)
     except DecodeError:
@@ -78,7 +93,7 @@ def grpc_classes(raw: bytes, output: str) -> list[str] | None:
     shape = list(chosen.shape)
     try:
         if i < len(answer.raw_output_contents):
-            return _rows(np.frombuffer(answer.raw_output_contents[i], dtype=dtype), shape)
+            return _matrix(np.frombuffer(answer.raw_output_contents[i], dtype=dtype), shape)
         contents = chosen.contents
         values = (
             contents.fp32_contents
@@ -86,6 +101,6 @@ def grpc_classes(raw: bytes, output: str) -> list[str] | None:
             or contents.int_contents
             or contents.int64_contents
         )
-        return _rows(np.asarray(values, dtype=dtype), shape)
+        return _matrix(np.asarray(values, dtype=dtype), shape)
     except ValueError:
         return None

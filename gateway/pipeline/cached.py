@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gateway.pipeline import forward
+from gateway.pipeline import cascade, forward
 from gateway.pipeline.cache_alias import ExactAliases
 from gateway.pipeline.call import Call, Request
 
@@ -24,6 +24,8 @@ def resolve(gw: Gateway, call: Call) -> str:
     region pin is a 400 whether or not the answer is cached."""
     if call.pinned is not None:
         gw.router.check_pin(call.pinned)
+    if call.cascade is not None:  # its rules and its stages' versions
+        return cascade.resolved(gw, call.cascade)
     return call.version or gw.router.latest_version(call.model)
 
 
@@ -53,6 +55,8 @@ async def answer(
         aliases.remember(alias, key)
 
     async def fetch() -> tuple[A, bytes | None]:
+        if call.cascade is not None:
+            return await cascade.fetch(gw, call, request)
         value: Any = await forward.send(gw, call, request, shared=True)
         return value, request.storable(value, resolved) if resolved else None
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 from gateway.fleet.dispatch import Attempt, SequenceId
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from gateway.fleet.cascade import Cascade, Mark
     from gateway.fleet.router import Route
     from gateway.fleet.traffic_plan import Plan
     from gateway.fleet.traffic_tally import Role
@@ -56,6 +59,8 @@ class Call:
     role: Role | None = None
     route: Route | None = None
     cache_state: str | None = None  # "hit" | "miss" | "coalesced" when the cache was asked
+    cascade: Cascade | None = None  # the model is a cascade's served name (pipeline/cascade.py)
+    mark: Mark | None = None  # what the cascade's answer says: its stage, the rule's score
     status: str = "500"  # the metrics label: HTTP status or gRPC code name
     ok: bool = False  # not the server's fault (what a canary is judged on)
     answered: bool = False  # the answer is on the wire: a later error cannot change it
@@ -77,12 +82,32 @@ class Request(Protocol, Generic[A]):
 
     async def cache_key(self, resolved: str, tenant: str) -> str: ...
 
-    def attempt(self, version: str | None = None, shared: bool = False) -> Attempt[A]:
+    def attempt(
+        self,
+        version: str | None = None,
+        shared: bool = False,
+        model: str | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> Attempt[A]:
         """Send this request to one server (as another `version` of the model when given; `shared`:
-        for an answer every client may get, so in the identity encoding)."""
+        for an answer every client may get, so in the identity encoding; to another `model` when
+        given, a cascade's stage; with `headers` added, a stage behind another gateway's key)."""
 
-    def storable(self, answer: A, resolved: str) -> bytes | None:
-        """The bytes to store for `answer`, or None when it must not be stored."""
+    def storable(self, answer: A, resolved: str | None) -> bytes | None:
+        """The bytes to store for `answer`, or None when it must not be stored (`resolved`: the
+        version it must have been answered by; None when no version is checked)."""
+
+    def succeeded(self, answer: A) -> bool:
+        """Whether `answer` is an inference result (not Triton's refusal)."""
+
+    def output(self, answer: A, name: str) -> np.ndarray[Any, Any] | None:
+        """The output `name` of a successful answer, one row per item; None when it holds none."""
+
+    def marked(self, answer: A, mark: Mark) -> A:
+        """`answer` carrying a cascade's mark in its parameters (and, over HTTP, its headers)."""
+
+    def mark_of(self, answer: A) -> Mark | None:
+        """The cascade mark a stored answer carries (a cache hit), or None."""
 
     def classes(self, answer: A, output: str) -> list[str] | None:
         """The class of each row of `answer` (shadow traffic), None when it cannot be read."""

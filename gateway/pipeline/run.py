@@ -5,10 +5,11 @@ answer, refuse); the steps run in this order, each its own module:
 
   admission  the key, the model list, the rate limit (before a byte of the body), then the slot
   body       the body (HTTP) or message (gRPC), counted against its caller   (the front's `read`)
-  canary     the version for a model in canary                                (pipeline/canary.py)
+  canary     the version for a model in canary; whether it names a cascade    (pipeline/canary.py, cascade.py)
   cache      an exact-bytes alias hit, before anything is parsed              (pipeline/cached.py)
   parse      the request as Triton reads it, the gateway's limits, the deadline (the front's `parse`)
-  dispatch   cache and coalescing, or route, retries, hedging (pipeline/cached.py, forward.py)
+  dispatch   cache and coalescing, or route, retries, hedging (pipeline/cached.py, forward.py);
+             a cascade's stages, each routed so, until a rule keeps an answer (pipeline/cascade.py)
   respond    the answer on the wire                                           (the front's `respond`)
   shadow     a mirror to the candidate, after the answer is sent             (pipeline/shadow_send.py)
   record     bytes and slot given back, metrics, the canary's tally           (pipeline/record.py)
@@ -22,7 +23,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from gateway.pipeline import admission, cached, canary, forward, record, shadow_send
+from gateway.pipeline import admission, cached, canary, cascade, forward, record, shadow_send
 from gateway.pipeline.cache_alias import ExactAliases
 from gateway.pipeline.call import Call, Request
 
@@ -71,6 +72,7 @@ async def infer(gw: Gateway, call: Call, wire: Wire[A]) -> None:
         t = costs.lap("body", t)
         await admission.enter(gw, call, "request")  # when the message named it; the slot
         canary.choose(gw, call)
+        cascade.choose(gw, call)
         t = costs.lap("admission", t)
         resolved = alias = None
         if gw.cache_enabled(call.model) and not call.passed_on:
@@ -90,6 +92,8 @@ async def infer(gw: Gateway, call: Call, wire: Wire[A]) -> None:
         t = costs.lap("parse", t)
         if resolved is not None and request.cacheable():
             answer = await cached.answer(gw, call, request, resolved, wire.aliases, alias)
+        elif call.cascade is not None:
+            answer = await cascade.send(gw, call, request)
         else:
             answer = await forward.send(gw, call, request)
         t = costs.lap("dispatch", t)

@@ -41,12 +41,14 @@ def gateway_command(
         )
     # lazy: the gateway's servers (grpc, starlette), kept out of --help
     from gateway.config import ConfigError, load_gateway_config
+    from gateway.fleet.cascade import check_rules
     from gateway.fronts.listen import ListenError
     from gateway.operations.logs import configure_logging
     from gateway.server import run
 
     try:
         cfg = load_gateway_config(config)
+        check_rules(cfg)
     except ConfigError as exc:
         error(exc)
         raise typer.Exit(2) from exc

@@ -9,6 +9,7 @@ from __future__ import annotations
 import typer
 
 from skewserve.commands import (
+    cascade,
     controller,
     data,
     demo,
@@ -47,6 +48,7 @@ app.command("demo")(demo.demo_command)
 app.add_typer(triton.app, name="triton")
 app.add_typer(gateway.app, name="gateway")
 app.add_typer(data.app, name="data")
+app.add_typer(cascade.app, name="cascade")
 
 
 def main() -> None:

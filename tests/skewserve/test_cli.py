@@ -35,6 +35,7 @@ def test_help_lists_exactly_the_products_commands() -> None:
         "triton",
         "gateway",
         "data",
+        "cascade",
     ]
     assert "  triton      Run real tritonserver processes locally (CPU profile).\n" in commands
     assert "  data        Data sets: generate long-tailed data, inspect class balance.\n" in commands
