@@ -20,13 +20,21 @@ from exporter.contract import LABEL, LOGITS, PROBABILITIES, ServingContract
 from exporter.errors import ParityError
 from exporter.graph import ServingModule
 
-TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2}
+# int8: the canary's limit on a server running the same quantized graph (fixed, calibrated scales:
+# a row's answer does not depend on its batch); the gate itself judges int8 by label agreement.
+TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "int8": 1e-3}
 # TF32 keeps 10 mantissa bits (unit round-off 2**-11 ~ 4.9e-4 per product, NVIDIA's Ampere TF32
 # note); through the MLP's matmuls and the softmax that stays well under 5e-3 on probabilities.
 # Used where TF32 may be on: FP32 plans built with --trt-tf32, and the onnxruntime backend on GPU
 # servers (ONNX Runtime's CUDA provider enables TF32 by default, `use_tf32`).
 TF32_TOLERANCE = 5e-3
 MIN_AGREEMENT = 0.999
+# INT8 against FP32: quantization moves rows near a decision boundary, so labels are compared, not
+# probabilities. Overall 0.98; each class FP32 predicts at least MIN_CLASS_ROWS times keeps 0.90
+# of its rows (a class with fewer rows is reported, not judged: one row would swing it by 20%).
+INT8_MIN_AGREEMENT = 0.98
+INT8_MIN_CLASS_AGREEMENT = 0.90
+MIN_CLASS_ROWS = 20
 
 Inputs = tuple[np.ndarray, ...]  # one batch: an array per contract input, in the contract's order
 Runner = Callable[[Inputs], dict[str, np.ndarray]]
@@ -44,11 +52,24 @@ class ParityReport:
     argmax_agreement: float
     tolerance: float
     passed: bool
+    # int8 only: label agreement with FP32 per class FP32 predicted (rows, agreement).
+    per_class_agreement: dict[str, dict[str, float]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def summary(self) -> str:
+        if self.per_class_agreement is not None:
+            judged = [
+                v["agreement"] for v in self.per_class_agreement.values() if v["rows"] >= MIN_CLASS_ROWS
+            ]
+            worst = min(judged, default=1.0)
+            return (
+                f"{self.target} {self.precision}: label agreement with FP32 {100 * self.argmax_agreement:.2f}% "
+                f"(limit {100 * INT8_MIN_AGREEMENT:.0f}%), worst class {100 * worst:.2f}% "
+                f"(limit {100 * INT8_MIN_CLASS_AGREEMENT:.0f}% per class with >= {MIN_CLASS_ROWS} rows), "
+                f"max |Δp| {self.max_abs_error_probabilities:.2e} over {self.rows} rows"
+            )
         return (
             f"{self.target} {self.precision}: max |Δp| {self.max_abs_error_probabilities:.2e} (limit {self.tolerance:.0e}), "
             f"max |Δlogit| {self.max_abs_error_logits:.2e}, arg-max agreement {100 * self.argmax_agreement:.2f}% "
@@ -233,3 +254,39 @@ def require(report: ParityReport) -> ParityReport:
     if not report.passed:
         raise ParityError(f"refusing to publish: parity failed for {report.summary()}")
     return report
+
+
+def compare_labels(
+    reference: Runner, candidate: Runner, batches: list[Inputs], classes: list[str], target: str
+) -> ParityReport:
+    """A quantized graph against FP32: label agreement overall and per class FP32 predicted."""
+    err_p = err_l = 0.0
+    want_labels, got_labels = [], []
+    for x in batches:
+        want, got = reference(x), candidate(x)
+        err_p = max(err_p, float(np.abs(want[PROBABILITIES] - got[PROBABILITIES].astype(np.float32)).max()))
+        err_l = max(err_l, float(np.abs(want[LOGITS] - got[LOGITS].astype(np.float32)).max()))
+        want_labels.append(want[LABEL].reshape(-1))
+        got_labels.append(got[LABEL].reshape(-1))
+    w, g = np.concatenate(want_labels), np.concatenate(got_labels)
+    per_class = {}
+    for index, name in enumerate(classes):
+        rows = w == index
+        per_class[name] = {
+            "rows": int(rows.sum()),
+            "agreement": float((g[rows] == index).mean()) if rows.any() else 1.0,
+        }
+    agreement = float((w == g).mean()) if len(w) else 1.0
+    judged = [v["agreement"] for v in per_class.values() if v["rows"] >= MIN_CLASS_ROWS]
+    return ParityReport(
+        target=target,
+        precision="int8",
+        rows=len(w),
+        batch_sizes=sorted({len(b[0]) for b in batches}),
+        max_abs_error_probabilities=err_p,
+        max_abs_error_logits=err_l,
+        argmax_agreement=agreement,
+        tolerance=TOLERANCE["int8"],
+        passed=agreement >= INT8_MIN_AGREEMENT and min(judged, default=1.0) >= INT8_MIN_CLASS_AGREEMENT,
+        per_class_agreement=per_class,
+    )

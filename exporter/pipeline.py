@@ -17,7 +17,7 @@ import onnx
 from exporter.contract import LABELS_FILE, ServingContract
 from exporter.errors import ExportError
 from exporter.graph import serving_module
-from exporter.onnx_export import OPSET, convert_fp16, export_onnx
+from exporter.onnx_export import OPSET, convert_fp16, export_onnx, quantize_int8
 from exporter.parity import (
     TF32_TOLERANCE,
     TOLERANCE,
@@ -25,6 +25,7 @@ from exporter.parity import (
     ParityReport,
     Runner,
     compare,
+    compare_labels,
     gpu_canary_tolerance,
     onnxruntime_runner,
     require,
@@ -57,6 +58,7 @@ LOCAL_RUNNER = Path(__file__).with_name("local_backend_model.py")
 LOCAL_TORCH_RUNNER = Path(__file__).with_name("local_torch_model.py")
 LOCAL_BATCHING = Path(__file__).with_name("local_batching.py")
 FORMATS = ("onnx", "torchscript")
+PRECISIONS = ("fp32", "fp16", "int8")
 CANARY_ROWS = 8
 
 
@@ -186,8 +188,13 @@ def _export_to_disk(
     trt_options: TensorRTOptions | None,
     change_backend: bool,
 ) -> ExportResult:
-    if precision not in ("fp32", "fp16"):
-        raise ExportError(f"--precision must be fp32 or fp16, got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ExportError(f"--precision must be fp32, fp16 or int8, got {precision!r}")
+    if precision == "int8" and (tensorrt == "on" or (options and options.ort_tensorrt != "off")):
+        raise ExportError(
+            "--precision int8 is an ONNX Runtime CPU graph (served on CPU instances, GPU servers too); "
+            "TensorRT does not build it: drop --tensorrt on / --ort-tensorrt, or export fp16 for GPUs"
+        )
     if fmt not in FORMATS:
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "torchscript" and precision != "fp32":
@@ -200,7 +207,9 @@ def _export_to_disk(
     trt_opts = trt_options or TensorRTOptions()
     model_dir = Path(repo) / name
     notices: list[str] = []
-    use_trt = _use_tensorrt(tensorrt, fmt, recorded_backend(model_dir), change_backend, opts, notices)
+    use_trt = precision != "int8" and _use_tensorrt(
+        tensorrt, fmt, recorded_backend(model_dir), change_backend, opts, notices
+    )
     if use_trt and opts.ort_tensorrt != "off":
         raise ExportError(
             "--ort-tensorrt configures the onnxruntime backend, but this export builds TensorRT plans: "
@@ -260,6 +269,23 @@ def _export_to_disk(
                         )
                     )
                 )
+            if precision == "int8":
+                with tempfile.TemporaryDirectory(prefix="skewserve-int8-") as tmp:
+                    fp32_path = Path(tmp) / "model.fp32.onnx"
+                    shutil.move(staging / "model.onnx", fp32_path)
+                    served_onnx = quantize_int8(fp32_path, staging / "model.onnx", batches)
+                # Judged against the FP32 graph (already checked against PyTorch) on label agreement.
+                reports.append(
+                    require(
+                        compare_labels(
+                            onnxruntime_runner(fp32.SerializeToString()),
+                            onnxruntime_runner(served_onnx.SerializeToString()),
+                            batches,
+                            list(contract.classes),
+                            "onnxruntime",
+                        )
+                    )
+                )
             served = onnxruntime_runner(served_onnx.SerializeToString())
             ir_version = served_onnx.ir_version
             if use_trt:
@@ -289,7 +315,12 @@ def _export_to_disk(
         first = max(batches, key=lambda b: min(len(b[0]), CANARY_ROWS))
         canary_x = tuple(x[:CANARY_ROWS] for x in first)
         canary_y = served(canary_x)
-        gpu_tol = gpu_canary_tolerance(backend, precision, opts.ort_tensorrt, trt_opts.tf32)
+        # int8 runs on CPU instances everywhere: GPU servers answer as the exporter's runtime does.
+        gpu_tol = (
+            TOLERANCE["int8"]
+            if precision == "int8"
+            else gpu_canary_tolerance(backend, precision, opts.ort_tensorrt, trt_opts.tf32)
+        )
         card = {
             "name": name,
             "artifact": {"path": str(Path(artifact).resolve()), "metadata": meta},
@@ -320,7 +351,11 @@ def _export_to_disk(
         }
         (staging / CARD).write_text(json.dumps(card, indent=2))
         files = {
-            "config.pbtxt": render(gpu_config(name, contract, opts, backend=backend, cc_plans=cc_plans)),
+            "config.pbtxt": render(
+                gpu_config(
+                    name, contract, opts, backend=backend, cc_plans=cc_plans, cpu_only=precision == "int8"
+                )
+            ),
             f"configs/{LOCAL_PROFILE}.pbtxt": render(local_config(name, contract, opts, backend=backend)),
             LABELS_FILE: "\n".join(contract.classes) + "\n",
         }
@@ -329,6 +364,13 @@ def _export_to_disk(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     raw_models = publish_raw_models(Path(repo), name, published.version, meta, contract, opts)
-    if not use_trt and tensorrt == "auto" and fmt == "onnx" and not notices and opts.ort_tensorrt == "off":
+    if (
+        not use_trt
+        and tensorrt == "auto"
+        and fmt == "onnx"
+        and precision != "int8"
+        and not notices
+        and opts.ort_tensorrt == "off"
+    ):
         notices.append("TensorRT plan skipped (no GPU / tensorrt here)")
     return ExportResult(published, reports, use_trt, notices, raw_models)

@@ -108,8 +108,13 @@ def gpu_config(
     *,
     backend: str | None = None,
     cc_plans: dict[str, str] | None = None,
+    cpu_only: bool = False,
 ) -> mc.ModelConfig:
-    """The GPU profile. `cc_plans` maps compute capability ("8.6") to plan file when several are built."""
+    """The GPU profile. `cc_plans` maps compute capability ("8.6") to plan file when several are built.
+
+    `cpu_only` (an INT8 graph): the onnxruntime backend on CPU instances of the GPU server, since
+    its CUDA provider runs quantized (QDQ) graphs mostly by falling back to the CPU anyway.
+    """
     backend = backend or ("tensorrt" if tensorrt_plan else "onnxruntime")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -135,7 +140,13 @@ def gpu_config(
         cfg.default_model_filename = MODEL_FILES["onnxruntime"]
         if opts.ort_tensorrt != "off":
             _ort_tensorrt_accelerator(cfg, name, opts)
-    cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=opts.gpu_instances)
+    if cpu_only:
+        if backend != "onnxruntime":
+            raise ValueError(f"a CPU-only GPU profile serves ONNX with onnxruntime, not {backend}")
+        cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=opts.cpu_instances)
+        cfg.parameters["intra_op_thread_count"].string_value = str(opts.ort_threads)
+    else:
+        cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=opts.gpu_instances)
     return cfg
 
 

@@ -684,6 +684,11 @@ class RemoteGatewayConfig(_Strict):
     api_key_file: str | None = Field(
         default=None, min_length=1, description="file holding the API key sent to it (x-api-key)"
     )
+    plaintext: bool = Field(
+        default=False,
+        description="the link to it has no TLS yet (docs/cascade.md): with api_key_file, set true to "
+        "accept that the key and the requests cross the network in clear (a private network or VPN)",
+    )
 
     @field_validator("http", "grpc")
     @classmethod
@@ -692,6 +697,11 @@ class RemoteGatewayConfig(_Strict):
 
     @model_validator(mode="after")
     def _key_readable(self) -> RemoteGatewayConfig:
+        if self.api_key_file is not None and not self.plaintext:
+            raise ValueError(
+                "a gateway stage's link has no TLS yet, so api_key_file would send its key in clear: set "
+                "plaintext: true only inside a private network or VPN (docs/cascade.md#edge-site)"
+            )
         if self.api_key_file is not None and not Path(self.api_key_file).is_file():
             raise ValueError(
                 f"api_key_file {self.api_key_file!r} does not exist; give the file holding the key"

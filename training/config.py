@@ -10,6 +10,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from training.device import DeviceChoice, PrecisionChoice
 from training.losses import LossName
 
+# Measured on the long-tailed synthetic tables (docs/training.md#distillation): T = 1 and an even
+# split with the balanced loss agreed best with the teacher (T = 2 or 4, or w = 0.8-0.9, less); the
+# labels stay in charge where the teacher is wrong.
+DISTILL_WEIGHT = 0.5
+DISTILL_TEMPERATURE = 1.0
+
 
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -51,6 +57,16 @@ class TrainConfig(BaseModel):
     tau: float = Field(default=1.0, ge=0)
     focal_gamma: float = Field(default=2.0, ge=0)
     sampler_q: float = Field(default=1.0, ge=0, le=1, description="class draw prob ∝ n_c^q")
+    # knowledge distillation from a trained artifact (training/distill.py)
+    distill_from: Path | None = Field(
+        default=None, description="teacher artifact: the student also matches its balanced outputs"
+    )
+    distill_weight: float = Field(
+        default=DISTILL_WEIGHT, ge=0, le=1, description="share of the teacher's soft term in the loss"
+    )
+    distill_temperature: float = Field(
+        default=DISTILL_TEMPERATURE, gt=0, description="softmax temperature of the soft term"
+    )
     # optimisation
     epochs: int | None = Field(
         default=None, ge=1, description="train exactly this many epochs (overrides the step budget)"
@@ -147,6 +163,13 @@ class TrainConfig(BaseModel):
             )
         if self.rdzv_backend == "static" and self.nnodes > 1 and self.node_rank is None:
             raise ValueError("rdzv_backend static needs node_rank (0..nnodes-1) on every node")
+        if self.distill_from is None and (
+            self.distill_weight != DISTILL_WEIGHT or self.distill_temperature != DISTILL_TEMPERATURE
+        ):
+            raise ValueError(
+                "distill_weight and distill_temperature take effect only with distill_from; "
+                "pass --distill-from TEACHER_ARTIFACT or drop them"
+            )
         if self.node_rank is not None and self.node_rank >= self.nnodes:
             raise ValueError(
                 f"node_rank {self.node_rank} does not exist with nnodes={self.nnodes}; use 0..{self.nnodes - 1}"

@@ -96,6 +96,10 @@ def preflight(cfg: TrainConfig) -> None:
     model, _ = build(cfg.model, cfg.factory_args(), data.spec)
     probe = SplitDataset(data.train, data.spec).__getitems__(list(np.arange(min(4, len(data.train)))))
     check_output(model, probe[0], data.spec, cfg.model)
+    if cfg.distill_from is not None:
+        from training.distill import check_teacher
+
+        check_teacher(cfg.distill_from, data.spec)
 
 
 def train(cfg: TrainConfig, log_path: Path | None = None) -> dict[str, Any]:

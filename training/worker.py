@@ -53,6 +53,7 @@ from training.device import (
     step_clock,
     to_device,
 )
+from training.distill import DistillationLoss, Teacher
 from training.errors import CheckpointError
 from training.factory import build as build_model
 from training.factory import check_output
@@ -91,6 +92,9 @@ RESUME_KEYS = (
     "weight_decay",
     "nnodes",
 )
+# Distillation's settings, in the signature only when distilling: checkpoints of runs without a
+# teacher (and those written before distillation existed) keep the signature they had.
+DISTILL_RESUME_KEYS = ("distill_from", "distill_weight", "distill_temperature")
 
 
 @dataclass
@@ -239,6 +243,13 @@ class Trainer:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self.model = model.to(self.device)
         self.loss_fn = SkewLoss(cfg.loss, self.counts, tau=cfg.tau, gamma=cfg.focal_gamma).to(self.device)
+        self.distill: DistillationLoss | None = None
+        if cfg.distill_from is not None:
+            # Loaded once per rank, beside the student: each rank scores its own share of the batch.
+            teacher = Teacher(cfg.distill_from, spec, cfg.tau).to(self.device)
+            self.distill = DistillationLoss(
+                self.loss_fn, teacher, cfg.distill_weight, cfg.distill_temperature
+            )
         self.clock: StepClock = step_clock(self.placement)
         self.hook = _HookState(
             process_group=None,
@@ -315,7 +326,13 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def _resume_signature(self) -> dict[str, Any]:
-        return {k: getattr(self.cfg, k) for k in RESUME_KEYS} | {"data_hash": self.data.data_hash}
+        signature = {k: getattr(self.cfg, k) for k in RESUME_KEYS} | {"data_hash": self.data.data_hash}
+        if self.distill is not None:
+            signature |= {k: getattr(self.cfg, k) for k in DISTILL_RESUME_KEYS}
+            signature["distill_from"] = str(self.cfg.distill_from)
+            # The same path retrained is another teacher.
+            signature["teacher_sha256"] = self.distill.teacher.record["sha256"]
+        return signature
 
     def maybe_resume(self) -> None:
         # torchrun's elastic restarts (--max-restarts) relaunch every worker: they continue from the
@@ -343,7 +360,10 @@ class Trainer:
                 )
             return
         saved = state["signature"]
-        diff = {k: (saved.get(k), v) for k, v in self._resume_signature().items() if saved.get(k) != v}
+        now = self._resume_signature()
+        # Both ways: a key only one side has (distilling now, or only then) is a change too.
+        diff = {k: (saved.get(k), now.get(k)) for k in [*now, *(k for k in saved if k not in now)]}
+        diff = {k: (a, b) for k, (a, b) in diff.items() if a != b}
         if diff:
             detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
             raise CheckpointError(
@@ -418,7 +438,12 @@ class Trainer:
             logits = self.ddp(*inputs)
         # sum * world / global batch: with DDP's mean all-reduce the update is the global-batch mean.
         # The loss is taken in fp32: logit adjustment adds log-priors that fp16 would round.
-        loss = self.loss_fn(logits.float(), yb).sum() * (self.world / global_n)
+        per_sample = (
+            self.loss_fn(logits.float(), yb)
+            if self.distill is None
+            else self.distill(logits.float(), yb, inputs)
+        )
+        loss = per_sample.sum() * (self.world / global_n)
         self.scaler.scale(loss).backward()
         if self.world == 1:
             if self.hook.slow_factor > 1:
@@ -591,6 +616,13 @@ class Trainer:
                 "speed_balance": self.cfg.speed_balance,
                 "global_batch_size": self.cfg.global_batch_size,
                 "lr": self.cfg.lr,
+                "distillation": None
+                if self.distill is None
+                else {
+                    "teacher": self.distill.teacher.record,
+                    "weight": self.distill.weight,
+                    "temperature": self.distill.temperature,
+                },
                 "torch": torch.__version__,
             }
             | summary,

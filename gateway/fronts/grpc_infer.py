@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
 from gateway.errors import BadRequest, GatewayError, grpc_code_for
-from gateway.fleet.cascade import Mark
+from gateway.fleet.cascade import PARAMETERS, Mark
 from gateway.fleet.dispatch import Attempt, SequenceId
 from gateway.forward_headers import forwarded_metadata
 from gateway.fronts.infer_body import MAX_UINT64, SHARED_MEMORY_PARAMETERS
@@ -124,8 +124,12 @@ def _varint(n: int) -> bytes:
 
 
 def mark_answer(raw: bytes, mark: Mark) -> bytes:
-    """A serialized answer with a cascade's mark in its `parameters`."""
+    """A serialized answer with a cascade's mark in its `parameters` (any mark it came with, from a
+    gateway behind a stage, replaced)."""
     resp = pb.ModelInferResponse.FromString(raw)
+    for name in PARAMETERS:
+        if name in resp.parameters:
+            del resp.parameters[name]
     for name, value in mark.parameters().items():
         param = resp.parameters[name]
         if isinstance(value, bool):
@@ -407,7 +411,7 @@ class GrpcInferRequest:
 
     @staticmethod
     def output(raw: bytes, name: str) -> Any:
-        return grpc_output(raw, name)
+        return grpc_output(raw, name, exact=True)
 
     @staticmethod
     def marked(raw: bytes, mark: Mark) -> bytes:

@@ -129,7 +129,8 @@ def mark_answer(resp: HttpResponse, mark: Mark) -> HttpResponse:
     came with, from a gateway behind a stage, replaced)."""
     header, n = _response_header_json(resp)
     params = header.get("parameters")
-    header["parameters"] = {**(params if isinstance(params, dict) else {}), **mark.parameters()}
+    theirs = {k: v for k, v in (params if isinstance(params, dict) else {}).items() if k not in PARAMETERS}
+    header["parameters"] = {**theirs, **mark.parameters()}
     new_header = json.dumps(header, separators=(",", ":")).encode()
     headers = [
         (k, str(len(new_header)).encode() if k.lower() == HEADER_LENGTH else v)
@@ -484,7 +485,9 @@ class HttpInferRequest:
         headers: tuple[tuple[str, str], ...] = (),
     ) -> Attempt[HttpResponse]:
         wire, call, parsed, body = self.wire, self.call, self.parsed, self.body
-        if model is not None:  # a cascade's stage: the same request, to another model
+        if model is not None and version is not None:  # a cascade's stage of a model in canary
+            path = versioned_path(model, version, wire.query)
+        elif model is not None:  # a cascade's stage: the same request, to another model
             path = f"/v2/models/{quote(model, safe='')}/infer".encode() + wire.query
         elif version is not None:
             path = versioned_path(call.model, version, wire.query)
@@ -528,7 +531,11 @@ class HttpInferRequest:
 
     @staticmethod
     def output(resp: HttpResponse, name: str) -> Any:
-        return http_output(resp.body, resp.header(HEADER_LENGTH), name) if resp.status == 200 else None
+        return (
+            http_output(resp.body, resp.header(HEADER_LENGTH), name, exact=True)
+            if resp.status == 200
+            else None
+        )
 
     @staticmethod
     def marked(resp: HttpResponse, mark: Mark) -> HttpResponse:

@@ -7,6 +7,8 @@ per region, cache bytes) are computed when Prometheus scrapes, not on every requ
 Label values are bounded whatever clients send: a `model` label is the model's name only when some
 server has reported it loaded and the caller was admitted to it (see `Gateway.model_label`);
 every other name folds into `OTHER_MODEL`, so invented names cannot grow /metrics or the child cache.
+Cascade labels are bounded the same way: cascade and stage names come from the config, classes
+from the deferral rule's file (the first stage model's classes), never from a request.
 Server labels are bounded as the fleet churns (discovered pods come and go with new addresses): the
 gateway reports each server joining and leaving, a departed server's label children are removed, and
 a request that finishes on it after that counts under `DEPARTED_SERVER`.
@@ -240,6 +242,44 @@ class GatewayMetrics:
             ["scope", "store"],
             registry=r,
         )
+        # Cascades (gateway/pipeline/cascade.py; docs/cascade.md#metrics).
+        self._cascade_answers = Counter(
+            "skewserve_gateway_cascade_answers_total",
+            "Cascade answers by the stage that gave them (offline: a later stage should have answered and could not)",
+            ["cascade", "stage", "offline"],
+            registry=r,
+        )
+        self._cascade_judged = Counter(
+            "skewserve_gateway_cascade_judged_items_total",
+            "Items a stage's deferral rule judged, by the stage's predicted class",
+            ["cascade", "stage", "class"],
+            registry=r,
+        )
+        self._cascade_escalations = Counter(
+            "skewserve_gateway_cascade_escalations_total",
+            "Items a stage's deferral rule sent on to the next stage, by the stage's predicted class",
+            ["cascade", "stage", "class"],
+            registry=r,
+        )
+        self._cascade_failures = Counter(
+            "skewserve_gateway_cascade_stage_failures_total",
+            "Stage calls that gave no answer (no server, an error, the stage deadline): the request went on",
+            ["cascade", "stage"],
+            registry=r,
+        )
+        self._cascade_bytes = Counter(
+            "skewserve_gateway_cascade_upstream_bytes_total",
+            "Request bytes sent (or attempted) to each stage after the first",
+            ["cascade", "stage"],
+            registry=r,
+        )
+        self._cascade_latency = Histogram(
+            "skewserve_gateway_cascade_stage_seconds",
+            "Time each cascade stage took, by outcome (answer, failure)",
+            ["cascade", "stage", "outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         # Folds client-chosen model names into a bounded set; the gateway installs the real rule.
         self.model_label: Callable[[str], str] = lambda model: model
         self._children: dict[tuple[Any, ...], Any] = {}
@@ -309,6 +349,28 @@ class GatewayMetrics:
 
     def hedge(self, model: str) -> None:
         self._child(self._hedges, self.model_label(model)).inc()
+
+    def cascade_stage(
+        self, cascade: str, stage: str, seconds: float, answered: bool, sent_bytes: int | None
+    ) -> None:
+        """One stage call of a cascade: its time, and the request's bytes when sent on (a later stage)."""
+        self._child(self._cascade_latency, cascade, stage, "answer" if answered else "failure").observe(
+            seconds
+        )
+        if not answered:
+            self._child(self._cascade_failures, cascade, stage).inc()
+        if sent_bytes is not None:
+            self._child(self._cascade_bytes, cascade, stage).inc(sent_bytes)
+
+    def cascade_judged(self, cascade: str, stage: str, classes: Iterable[str], escalated: bool) -> None:
+        """A rule's verdict on one answer: each item's predicted class, and whether it went on."""
+        for cls in classes:
+            self._child(self._cascade_judged, cascade, stage, cls).inc()
+            if escalated:
+                self._child(self._cascade_escalations, cascade, stage, cls).inc()
+
+    def cascade_answer(self, cascade: str, stage: str, offline: bool) -> None:
+        self._child(self._cascade_answers, cascade, stage, "true" if offline else "false").inc()
 
     def limited(self, scope: str, store: str) -> None:
         self._child(self.rate_limited, scope, store).inc()

@@ -35,12 +35,12 @@ def _classes(matrix: np.ndarray[Any, Any] | None) -> list[str] | None:
     return None if matrix is None else [str(int(i)) for i in matrix.argmax(axis=1)]
 
 
-def _pick(outputs: list[Any], name: str, key: Any) -> int | None:
-    """Index of the output called `name`, else of the only output."""
+def _pick(outputs: list[Any], name: str, key: Any, exact: bool = False) -> int | None:
+    """Index of the output called `name`, else (unless `exact`) of the only output."""
     names = [key(o) for o in outputs]
     if name in names:
         return names.index(name)
-    return 0 if len(outputs) == 1 else None
+    return 0 if len(outputs) == 1 and not exact else None
 
 
 def http_classes(body: bytes, header_length: bytes | None, output: str) -> list[str] | None:
@@ -51,13 +51,17 @@ def grpc_classes(raw: bytes, output: str) -> list[str] | None:
     return _classes(grpc_output(raw, output))
 
 
-def http_output(body: bytes, header_length: bytes | None, output: str) -> np.ndarray[Any, Any] | None:
-    """The output `output` (else the only one) of an HTTP answer, one row per item."""
+def http_output(
+    body: bytes, header_length: bytes | None, output: str, exact: bool = False
+) -> np.ndarray[Any, Any] | None:
+    """The output `output` (else, unless `exact`, the only one) of an HTTP answer, one row per item.
+    A cascade's rule reads exactly its output: `logits` judged as probabilities would keep answers
+    the rule escalates."""
     try:
         split = int(header_length) if header_length is not None else len(body)
         head = json.loads(body[:split])
         outputs = head["outputs"]
-        i = _pick(outputs, output, lambda o: o.get("name"))
+        i = _pick(outputs, output, lambda o: o.get("name"), exact)
         if i is None:
             return None
         chosen = outputs[i]
@@ -76,14 +80,15 @@ def http_output(body: bytes, header_length: bytes | None, output: str) -> np.nda
         return None
 
 
-def grpc_output(raw: bytes, output: str) -> np.ndarray[Any, Any] | None:
-    """The output `output` (else the only one) of a serialized ModelInferResponse, one row per item."""
+def grpc_output(raw: bytes, output: str, exact: bool = False) -> np.ndarray[Any, Any] | None:
+    """The output `output` (else, unless `exact`, the only one) of a serialized ModelInferResponse,
+    one row per item."""
     try:
         answer = pb.ModelInferResponse.FromString(raw)
     except DecodeError:
         return None
     outputs = list(answer.outputs)
-    i = _pick(outputs, output, lambda o: o.name)
+    i = _pick(outputs, output, lambda o: o.name, exact)
     if i is None:
         return None
     chosen = outputs[i]

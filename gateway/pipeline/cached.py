@@ -7,7 +7,7 @@ a miss parses, keys, then asks the cache and the coalescer (gateway/core.py `Gat
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from gateway.pipeline import cascade, forward
 from gateway.pipeline.cache_alias import ExactAliases
@@ -60,6 +60,9 @@ async def answer(
         value: Any = await forward.send(gw, call, request, shared=True)
         return value, request.storable(value, resolved) if resolved else None
 
-    value, state = await gw.cached(key, call.model, fetch, request.decode, call.deadline, call.pinned)
+    try:
+        value, state = await gw.cached(key, call.model, fetch, request.decode, call.deadline, call.pinned)
+    except cascade.OfflineAnswer as offline:  # this request's own answer, shared with nobody
+        value, state = cast(A, offline.answer), "miss"
     call.cache_state = state
     return request.restamp(value) if state != "miss" else value

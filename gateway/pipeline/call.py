@@ -15,7 +15,7 @@ from gateway.fleet.dispatch import Attempt, SequenceId
 if TYPE_CHECKING:
     import numpy as np
 
-    from gateway.fleet.cascade import Cascade, Mark
+    from gateway.fleet.cascade import Cascade, Mark, Stage
     from gateway.fleet.router import Route
     from gateway.fleet.traffic_plan import Plan
     from gateway.fleet.traffic_tally import Role
@@ -61,6 +61,8 @@ class Call:
     cache_state: str | None = None  # "hit" | "miss" | "coalesced" when the cache was asked
     cascade: Cascade | None = None  # the model is a cascade's served name (pipeline/cascade.py)
     mark: Mark | None = None  # what the cascade's answer says: its stage, the rule's score
+    cascade_stage: Stage | None = None  # the stage whose answer it is
+    cascade_failed: bool = False  # a stage failed or refused on the way: not what the rule alone chose
     status: str = "500"  # the metrics label: HTTP status or gRPC code name
     ok: bool = False  # not the server's fault (what a canary is judged on)
     answered: bool = False  # the answer is on the wire: a later error cannot change it

@@ -27,7 +27,12 @@ def export_command(
     version: int | None = typer.Option(
         None, "--version", help="Version to publish; default max+1. Never overwrites."
     ),
-    precision: str = typer.Option("fp32", "--precision", help="fp32 | fp16 (FP32 at the boundary)."),
+    precision: str = typer.Option(
+        "fp32",
+        "--precision",
+        help="fp32 | fp16 (FP32 at the boundary) | int8 (ONNX Runtime static quantization, CPU "
+        "instances; gated on label agreement with FP32, docs/export.md#int8-for-cpus).",
+    ),
     tensorrt: str = typer.Option("auto", "--tensorrt", help="auto | on | off: TensorRT plan on a CUDA GPU."),
     max_batch: int = typer.Option(
         64, "--max-batch", min=1, help="Triton max_batch_size and parity batch range."

@@ -135,6 +135,26 @@ class TrainOptions:
         float,
         typer.Option("--sampler-q", help="Class draw probability ∝ n_c^q (1 natural, 0 class-uniform)."),
     ] = 1.0
+    distill_from: Annotated[
+        Path | None,
+        typer.Option(
+            "--distill-from",
+            help="Teacher artifact (e.g. the cloud model): the student also learns its balanced "
+            "(logit-adjusted) outputs; same classes and inputs as --data; docs/training.md#distillation.",
+        ),
+    ] = None
+    distill_weight: Annotated[
+        float,
+        typer.Option(
+            "--distill-weight",
+            min=0.0,
+            max=1.0,
+            help="Share w of the teacher term: (1-w) balanced loss + w T² KL.",
+        ),
+    ] = 0.5
+    distill_temperature: Annotated[
+        float, typer.Option("--distill-temperature", help="Softmax temperature T of the teacher term.")
+    ] = 1.0
     epochs: Annotated[
         int | None,
         typer.Option("--epochs", min=1, help="Train exactly this many epochs instead of the step budget."),

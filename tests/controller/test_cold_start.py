@@ -136,8 +136,10 @@ def _slow_requests_outlive_their_eviction(server: TritonServer, gw: GatewayUnder
     assert [a[0] for a in answers] == [200] * 4, answers
     assert all(json.loads(a[2])["outputs"][0]["data"] == [3.0] * 4 for a in answers)
     # (afterwards LRU may swap them again: both were asked for; what matters happened above)
-    log = server.log_text()
-    assert "successfully unloaded 'slow'" in log and "successfully loaded 'cold'" in log
+    # Triton logs an unload once the requests holding the model are done, which may come after the
+    # answer that caused it: wait for the line rather than read the log at once.
+    wait_until(lambda: "successfully unloaded 'slow'" in server.log_text(), 60, "slow's unload is logged")
+    assert "successfully loaded 'cold'" in server.log_text()
 
 
 @pytest.mark.slow

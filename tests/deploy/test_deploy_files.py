@@ -71,8 +71,11 @@ def test_rules_and_dashboard_only_use_metrics_the_gateway_exports() -> None:
 
 def test_dashboard_is_valid_grafana_json() -> None:
     dash = json.loads((DEPLOY / "grafana" / "skewserve-gateway.json").read_text())
-    assert dash["uid"] == "skewserve-gateway" and len(dash["panels"]) >= 8
-    assert all(p["targets"] and p["targets"][0]["expr"] for p in dash["panels"])
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    assert dash["uid"] == "skewserve-gateway" and len(panels) >= 8
+    assert all(p["targets"] and p["targets"][0]["expr"] for p in panels)
+    assert [p["title"] for p in dash["panels"] if p["type"] == "row"] == ["Cascades (docs/cascade.md)"]
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
 
 
 def test_example_configs_are_valid_and_hold_no_secret(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,6 +47,7 @@ def served(small_artifact: Path, tmp_path_factory: pytest.TempPathFactory, prepa
     repo = tmp_path_factory.mktemp("repo")
     export_artifact(small_artifact, repo, "lt", tensorrt="off")
     export_artifact(small_artifact, repo, "lt16", precision="fp16", tensorrt="off")
+    export_artifact(small_artifact, repo, "lt8", precision="int8")
     server = TritonServer(
         TritonServerSpec(repository=repo, name="exp"), tmp_path_factory.mktemp("logs"), prepared_triton
     )
@@ -75,6 +76,43 @@ def test_http_and_grpc_outputs_equal_pytorch(served, small_artifact: Path) -> No
     half = g.infer("lt16", [ginp])
     assert half.as_numpy("probabilities").dtype == np.float32  # FP32 at the boundary
     np.testing.assert_allclose(half.as_numpy("probabilities"), want["probabilities"], atol=1e-2)
+
+
+def test_an_int8_version_is_served_and_gated_on_agreement_per_class(
+    served, small_artifact: Path, small_data: Path
+) -> None:
+    """Issue 35 item 3: the INT8 graph answers from a real tritonserver; its card has the gate's figures."""
+    import json
+
+    import pandas as pd
+
+    server, repo = served
+    # In-distribution rows: the INT8 graph's ranges are calibrated on the validation split.
+    x = pd.read_parquet(small_data / "test.parquet").drop(columns="label").to_numpy(np.float32)[:64]
+    want = _reference(small_artifact, x)
+    g = grpcclient.InferenceServerClient(server.grpc_address)
+    inp = grpcclient.InferInput("features", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    out = g.infer("lt8", [inp])
+    assert out.as_numpy("probabilities").dtype == np.float32  # FP32 at the boundary
+    np.testing.assert_allclose(out.as_numpy("probabilities").sum(axis=1), 1.0, atol=1e-4)
+    assert (out.as_numpy("label").reshape(-1) == want["label"].reshape(-1)).mean() >= 0.9
+    card = json.loads((repo / "lt8" / "1" / "model_card.json").read_text())
+    assert card["export"]["precision"] == "int8" and card["export"]["tensorrt"] is None
+    gate = card["parity"][-1]
+    assert gate["precision"] == "int8" and gate["passed"] and gate["argmax_agreement"] >= 0.98
+    classes = card["artifact"]["metadata"]["classes"]
+    assert list(gate["per_class_agreement"]) == classes
+    assert sum(v["rows"] for v in gate["per_class_agreement"].values()) == gate["rows"]
+    gpu = parse((repo / "lt8" / "config.pbtxt").read_text())
+    assert gpu.backend == "onnxruntime" and gpu.instance_group[0].kind == gpu.instance_group[0].KIND_CPU
+
+
+def test_int8_refuses_tensorrt(small_artifact: Path, tmp_path: Path) -> None:
+    from exporter.errors import ExportError
+
+    with pytest.raises(ExportError, match="--precision int8 is an ONNX Runtime CPU graph"):
+        export_artifact(small_artifact, tmp_path, "m", precision="int8", tensorrt="on")
 
 
 def test_the_served_config_names_the_feature_order(served) -> None:

@@ -52,6 +52,7 @@ _KILL = "an alert's condition: fires in test_killing_a_triton_server_fires_its_a
 _NO_EVENT = "counts events the steady traffic never causes (errors, retries, hedges, spill-overs, shedding)"
 _GPU = "Triton exports GPU series only where it sees a GPU"
 _TRAINING = "training series: tests/monitoring/test_training_metrics_live.py evaluates them on a live run"
+_CASCADE = "cascade series: this stack serves no cascade (tests/gateway/test_cascade.py counts them)"
 _KEDA = "selects pods by the cluster's namespace/pod labels, which local targets do not carry"
 EMPTY_HERE: dict[str, str] = {
     "SkewserveHighErrorRate": _HEALTHY,
@@ -72,6 +73,12 @@ EMPTY_HERE: dict[str, str] = {
     "Retries, hedges, ejections [B]": _NO_EVENT,
     "Retries, hedges, ejections [C]": _NO_EVENT,
     "Shed requests (admission) [A]": _NO_EVENT,
+    "Cascade answers/s by stage [A]": _CASCADE,
+    "Cascade answers/s by stage [B]": _CASCADE,
+    "Cascade escalation rate by predicted class [A]": _CASCADE,
+    "Cascade bytes sent upstream/s [A]": _CASCADE,
+    "Cascade stage latency p50 / p99 [A]": _CASCADE,
+    "Cascade stage latency p50 / p99 [B]": _CASCADE,
     "skewserve:gpu_memory_used:ratio": _GPU,
     "skewserve:gpu_utilization:avg1m": _GPU,
     "GPU utilisation [A]": _GPU,
@@ -102,7 +109,12 @@ def keda_expressions() -> list[tuple[str, str]]:
 
 def dashboard_expressions() -> list[tuple[str, str]]:
     dash = json.loads(DASHBOARD.read_text())
-    return [(f"{p['title']} [{t['refId']}]", t["expr"]) for p in dash["panels"] for t in p["targets"]]
+    return [
+        (f"{p['title']} [{t['refId']}]", t["expr"])
+        for p in dash["panels"]
+        if p["type"] != "row"
+        for t in p["targets"]
+    ]
 
 
 @pytest.fixture(scope="module")

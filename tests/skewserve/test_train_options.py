@@ -23,7 +23,8 @@ ARGS = [
     "--max-steps", "99", "--min-steps", "9", "--input-noise", "0.3", "--checkpoint-every-steps", "5",
     "--batch-size", "64", "--lr", "0.01", "--width", "32", "--depth", "3", "--dropout", "0.2",
     "--precision", "fp32", "--patience", "40", "--no-speed-balance", "--slow-rank", "3",
-    "--slow-factor", "2.5", "--seed", "11", "--resume", "--metrics-port", "9400",
+    "--slow-factor", "2.5", "--seed", "11", "--resume", "--metrics-port", "9400", "--distill-from", "t",
+    "--distill-weight", "0.7", "--distill-temperature", "3",
 ]  # fmt: skip
 
 EXPECTED = {
@@ -34,7 +35,8 @@ EXPECTED = {
     "max_restarts": 3, "device": "cpu", "loss": "focal", "sampler_q": 0.5, "epochs": 7, "max_steps": 99,
     "min_steps": 9, "input_noise": 0.3, "checkpoint_every_steps": 5, "global_batch_size": 64, "lr": 0.01,
     "width": 32, "depth": 3, "dropout": 0.2, "precision": "fp32", "patience": 40, "speed_balance": False,
-    "slow_rank": 3, "slow_factor": 2.5, "seed": 11, "resume": True,
+    "slow_rank": 3, "slow_factor": 2.5, "seed": 11, "resume": True, "distill_from": Path("t"),
+    "distill_weight": 0.7, "distill_temperature": 3.0,
 }  # fmt: skip
 
 
