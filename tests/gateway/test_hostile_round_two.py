@@ -375,12 +375,31 @@ def _cached_request(seed: float) -> tuple[bytes, pb.ModelInferRequest]:
     return body, req
 
 
-def test_by_default_no_key_hits_another_keys_entry(stack: GatewayUnderTest) -> None:
+def _entries(redis_url: str, namespace: str) -> int:
+    """Entries the gateways have written under `namespace` (this test run's, as _redis_cache names it)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return sum(1 for _ in client.scan_iter(match=f"{namespace}-{os.getpid()}:*", count=1000))
+    finally:
+        client.close()
+
+
+def _stored(redis_url: str, namespace: str, at_least: int) -> None:
+    """Entries are written by a background queue after the answer: wait for them, not for a time."""
+    wait_until(lambda: _entries(redis_url, namespace) >= at_least, 30, f"{at_least} cache entries stored")
+
+
+def test_by_default_no_key_hits_another_keys_entry(stack: GatewayUnderTest, redis_url: str) -> None:
     """cache.tenancy per_key, the default: a key's own entries serve it, never another key's."""
     body, req = _cached_request(0.25)
+    before = _entries(redis_url, "round2")
     assert _cache_states(stack, VICTIM_KEY, body, req) == ("miss", "miss")
+    _stored(redis_url, "round2", before + 2)  # the victim's HTTP and gRPC entries
     assert _cache_states(stack, VICTIM_KEY, body, req) == ("hit", "hit")
     assert _cache_states(stack, BULK_KEY, body, req) == ("miss", "miss")
+    _stored(redis_url, "round2", before + 4)  # the bulk key's own two
     assert _cache_states(stack, BULK_KEY, body, req) == ("hit", "hit")
 
 
@@ -399,7 +418,9 @@ def test_with_shared_tenancy_every_key_hits_one_entry(one_triton, redis_url: str
         )
     )
     body, req = _cached_request(0.5)
+    before = _entries(redis_url, "tenancy")
     assert _cache_states(gw, VICTIM_KEY, body, req) == ("miss", "miss")
+    _stored(redis_url, "tenancy", before + 2)
     assert _cache_states(gw, BULK_KEY, body, req) == ("hit", "hit")
 
 
