@@ -103,6 +103,16 @@ def _lt_samples(text: str) -> dict[str, float]:
     return out
 
 
+def _stored(redis_url: str, namespace: str) -> int:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return sum(1 for _ in client.scan_iter(match=f"{namespace}:*", count=1000))
+    finally:
+        client.close()
+
+
 def test_cache_entries_and_rate_limits_are_shared_across_workers(
     fleet: dict[str, list[TritonServer]],
     make_gateway: Callable[..., GatewayUnderTest],
@@ -133,6 +143,8 @@ def test_cache_entries_and_rate_limits_are_shared_across_workers(
         resp = conn.getresponse()
         resp.read()
         answered.append((worker, resp.status, resp.getheader("x-skewserve-cache")))
+        if i == 0:  # the entry is written by a background queue after the answer: wait for it
+            wait_until(lambda: _stored(redis_url, f"workers{os.getpid()}") >= 1, 30, "the entry stored")
     for conns in by_worker.values():
         for conn in conns:
             conn.close()
