@@ -19,6 +19,7 @@ from controller.fleet import ControlledServer, FleetSpec, ServerSet
 from controller.leader import LeaderElection, LeaseRecords
 from controller.metrics import ControllerMetrics
 from controller.reconcile import Controller, PassReport
+from gateway.task_stop import cancel_and_wait
 from repository.state_store import StateStore
 
 logger = logging.getLogger(__name__)
@@ -100,8 +101,7 @@ class ControllerThread:
             await self.controller.run(self._stop, self._passed, lambda: self.leading)
         finally:
             if campaign is not None:
-                campaign.cancel()
-                await asyncio.gather(campaign, return_exceptions=True)
+                await cancel_and_wait(campaign)
             if self.election is not None:
                 await asyncio.to_thread(self.election.release)
 

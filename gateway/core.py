@@ -35,6 +35,7 @@ from gateway.state.coalesce import Coalescer
 from gateway.state.limits import RateLimiter, client_key
 from gateway.state.redis_link import RedisLink
 from gateway.state.stream_slots import StreamSlots
+from gateway.task_stop import cancel_all_and_wait
 from gateway.upstream.grpc_relay import GrpcRelay
 from gateway.upstream.server import UpstreamServer
 
@@ -169,9 +170,7 @@ class Gateway:
             await self.traffic.close()
         if self.shadow is not None:
             await self.shadow.close()
-        for task in list(self._leaving):
-            task.cancel()  # each closes its server on the way out
-        await asyncio.gather(*self._leaving, return_exceptions=True)
+        await cancel_all_and_wait(list(self._leaving))  # each closes its server on the way out
         for s in self.servers:
             await s.close()
         for cascade in self.cascades.values():

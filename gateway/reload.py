@@ -33,6 +33,7 @@ from typing import Any
 from gateway.config import ConfigError, GatewayConfig, RegionConfig, load_gateway_config
 from gateway.core import Gateway
 from gateway.fleet.cascade_rule import DeferralRule
+from gateway.task_stop import cancel_all_and_wait
 from gateway.upstream.server import UpstreamServer
 
 logger = logging.getLogger(__name__)
@@ -230,7 +231,5 @@ class ConfigReloader:
 
     async def stop(self) -> None:
         tasks = [*self._tasks, *([self._watch] if self._watch is not None else [])]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all_and_wait(tasks)
         self._watch = None

@@ -23,6 +23,7 @@ from gateway.config import DiscoveryConfig, GatewayConfig
 from gateway.fleet.discovery_dns import DnsSource
 from gateway.fleet.discovery_k8s import EndpointSliceSource
 from gateway.fleet.discovery_source import DiscoveredRegion, DiscoverySource, Fleet
+from gateway.task_stop import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,7 @@ class _RegionWatch:
 
     async def stop(self) -> None:
         if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+            await cancel_and_wait(self.task)
             self.task = None
         await self.source.close()
 

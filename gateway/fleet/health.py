@@ -26,6 +26,7 @@ from tritonclient.grpc import service_pb2
 
 from gateway.config import HealthConfig
 from gateway.errors import GatewayError
+from gateway.task_stop import cancel_and_wait
 from gateway.upstream.server import EjectionEvent, UpstreamServer
 
 logger = logging.getLogger(__name__)
@@ -196,9 +197,5 @@ class HealthChecker:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await asyncio.wait_for(self._task, timeout=1.0)
-            except (asyncio.CancelledError, asyncio.TimeoutError):
-                pass
+            await cancel_and_wait(self._task)
             self._task = None

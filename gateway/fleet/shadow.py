@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from gateway.config import TrafficConfig
 from gateway.fleet.traffic_plan import Plan
 from gateway.fleet.traffic_tally import MAX_CLASSES, ClassTally
+from gateway.task_stop import cancel_all_and_wait
 
 logger = logging.getLogger(__name__)
 OTHER_CLASS = "__other__"  # past MAX_CLASSES distinct classes
@@ -60,9 +61,7 @@ class Shadow:
             logger.warning("shadow request failed", exc_info=task.exception())
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all_and_wait(list(self._tasks))
 
     @staticmethod
     def _class_tally(plan: Plan, cls: str) -> ClassTally:

@@ -28,6 +28,7 @@ from gateway.config import TrafficConfig
 from gateway.fleet.controller_token import ControllerToken
 from gateway.fleet.traffic_plan import Plan
 from gateway.fleet.traffic_tally import ModelTally, Role, TrafficReport
+from gateway.task_stop import cancel_and_wait
 from gateway.upstream.server import UpstreamServer
 
 logger = logging.getLogger(__name__)
@@ -99,8 +100,7 @@ class Traffic:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
         if self._session is not None:
             await self._session.close()
 

@@ -7,7 +7,6 @@ Both serve the same `GrpcFront` methods; the HAProxy plane also carries upstream
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
@@ -23,6 +22,7 @@ from gateway.fronts.grpc_bridge import BridgeServer
 from gateway.fronts.grpc_front import SERVICE, UNARY_METHODS, GrpcFront
 from gateway.fronts.grpc_stream import StreamInfer
 from gateway.fronts.listen import bind_listener
+from gateway.task_stop import cancel_and_wait
 from gateway.upstream.grpc_relay import GrpcRelay
 from gateway.upstream.haproxy import (
     STREAM_PATH,
@@ -215,9 +215,7 @@ class HaproxyGrpcPlane(GrpcPlane):
 
     async def stop(self) -> None:
         if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+            await cancel_and_wait(self._watch)
         if self.haproxy is not None:
             await self.haproxy.stop()
         if self.bridge is not None:

@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 from gateway.state.coalesce import Coalescer
 from gateway.state.redis_link import RedisLink, RedisUnavailable, ThrottledLog
+from gateway.task_stop import cancel_and_wait
 
 __all__ = ["Coalescer", "MemoryCache", "RedisCache", "ResponseCache", "cache_key", "cache_key_async"]
 
@@ -267,9 +268,5 @@ class RedisCache:
 
     async def close(self) -> None:
         if self._writer is not None:
-            self._writer.cancel()
-            try:
-                await asyncio.wait_for(self._writer, 1.0)
-            except (asyncio.CancelledError, asyncio.TimeoutError):
-                pass
+            await cancel_and_wait(self._writer)
         await self.link.close()

@@ -15,6 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
+from gateway.task_stop import cancel_and_wait
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 BreakerState = Literal["closed", "open", "half_open"]
@@ -193,10 +195,5 @@ class RedisLink:
         return {"breaker": self.breaker.state, "opened": self.breaker.opened}
 
     async def close(self) -> None:
-        if self._probe is not None and not self._probe.done():
-            self._probe.cancel()
-            try:
-                await asyncio.wait_for(self._probe, 1.0)
-            except (asyncio.CancelledError, asyncio.TimeoutError):
-                pass
+        await cancel_and_wait(self._probe)
         await self.client.aclose()

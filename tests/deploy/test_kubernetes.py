@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from exporter.target import TARGET
-from gateway.config import ConfigError, TrafficConfig, load_gateway_config
+from gateway.config import ConfigError, load_gateway_config
 from repository.s3 import ObjectRepository
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,20 +61,6 @@ def _render(region: str) -> list[dict[str, Any]]:
     )
     assert res.returncode == 0, res.stderr
     return [d for d in yaml.safe_load_all(res.stdout) if d]
-
-
-def _gateway_config(path: Path, tmp: Path) -> Path:
-    """The overlay's gateway config as this checkout's gateway can load it: `traffic.token_file` is
-    the controller-token interface being added to gateway/config.py alongside these manifests;
-    until TrafficConfig has the field, it is dropped here (and
-    test_the_gateway_config_accepts_the_controller_token_file says so as an expected failure)."""
-    if "token_file" in TrafficConfig.model_fields:
-        return path
-    data = yaml.safe_load(path.read_text())
-    data["traffic"].pop("token_file")
-    out = tmp / path.name
-    out.write_text(yaml.safe_dump(data))
-    return out
 
 
 # Custom resources the Kubernetes schema set lacks: validated structurally in test_autoscaling.py.
@@ -224,7 +210,7 @@ def test_overlay_gateway_config_takes_its_home_region_from_the_environment(
     region: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     overlay = K8S / "overlays" / region
-    config = _gateway_config(overlay / "gateway.yaml", tmp_path)
+    config = overlay / "gateway.yaml"
     peer = next(r for r in REGIONS if r != region)
     env = {
         p["metadata"]["name"]: {
@@ -302,15 +288,6 @@ def test_the_gateway_reaches_its_controller_with_the_mounted_token(region: str) 
     volume = next(v for v in pod["volumes"] if v["name"] == "controller-token")
     assert volume["secret"]["secretName"] == "skewserve-gateway-controller-token"
     assert data["traffic"]["token_file"] == f"{mounts['controller-token']}/token"
-
-
-@pytest.mark.xfail(
-    "token_file" not in TrafficConfig.model_fields,
-    reason="gateway/config.py's TrafficConfig has no token_file yet (being added with the controller's tokens)",
-    strict=True,
-)
-def test_the_gateway_config_accepts_the_controller_token_file() -> None:
-    assert "token_file" in TrafficConfig.model_fields
 
 
 @pytest.mark.parametrize("region", REGIONS)
