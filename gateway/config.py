@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import ssl
 from pathlib import Path
 from typing import Any, Literal
 
@@ -684,10 +685,25 @@ class RemoteGatewayConfig(_Strict):
     api_key_file: str | None = Field(
         default=None, min_length=1, description="file holding the API key sent to it (x-api-key)"
     )
+    tls: bool = Field(
+        default=False,
+        description="connect over TLS (the other gateway's listen.tls), verifying its certificate",
+    )
+    ca_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="with tls: PEM bundle of the CAs that may sign its certificate; unset = the system's "
+        "trust store (HTTP) and gRPC's bundled roots",
+    )
+    server_name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="with tls: the name its certificate must carry; unset = the host of `http` / `grpc`",
+    )
     plaintext: bool = Field(
         default=False,
-        description="the link to it has no TLS yet (docs/cascade.md): with api_key_file, set true to "
-        "accept that the key and the requests cross the network in clear (a private network or VPN)",
+        description="with api_key_file and no tls: accept that the key and the requests cross the "
+        "network in clear (a private network or VPN only)",
     )
 
     @field_validator("http", "grpc")
@@ -696,16 +712,25 @@ class RemoteGatewayConfig(_Strict):
         return host_port(v)
 
     @model_validator(mode="after")
-    def _key_readable(self) -> RemoteGatewayConfig:
-        if self.api_key_file is not None and not self.plaintext:
+    def _link(self) -> RemoteGatewayConfig:
+        if self.tls and self.plaintext:
+            raise ValueError("tls and plaintext both set: a gateway stage's link is one or the other")
+        if not self.tls and (self.ca_file is not None or self.server_name is not None):
+            raise ValueError("ca_file and server_name apply to a TLS link: set tls: true or remove them")
+        if self.api_key_file is not None and not self.tls and not self.plaintext:
             raise ValueError(
-                "a gateway stage's link has no TLS yet, so api_key_file would send its key in clear: set "
-                "plaintext: true only inside a private network or VPN (docs/cascade.md#edge-site)"
+                "api_key_file without tls would send the key in clear: set tls: true (with ca_file for a "
+                "private CA), or plaintext: true only inside a private network or VPN (docs/cascade.md#edge-site)"
             )
-        if self.api_key_file is not None and not Path(self.api_key_file).is_file():
-            raise ValueError(
-                f"api_key_file {self.api_key_file!r} does not exist; give the file holding the key"
-            )
+        for name, holds in (("api_key_file", "the key"), ("ca_file", "the CA certificates (PEM)")):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name} {path!r} does not exist; give the file holding {holds}")
+        if self.ca_file is not None:
+            try:
+                ssl.create_default_context(cafile=self.ca_file)
+            except (ssl.SSLError, ValueError) as exc:
+                raise ValueError(f"ca_file {self.ca_file!r} holds no PEM certificate ({exc})") from exc
         return self
 
 

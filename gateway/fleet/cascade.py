@@ -18,6 +18,7 @@ from typing import Any
 from gateway.config import CascadeConfig, CascadeStageConfig, GatewayConfig, ServerConfig
 from gateway.fleet.cascade_rule import DeferralRule, read_rule
 from gateway.upstream.server import UpstreamServer
+from gateway.upstream.tls import upstream_tls
 
 logger = logging.getLogger(__name__)
 # What an answer says about the cascade that produced it: response parameters (both protocols)
@@ -99,6 +100,7 @@ class Stage:
                 10.0,
                 connect_timeout_s,
                 clock,
+                tls=upstream_tls(remote.ca_file, remote.server_name) if remote.tls else None,
             )
             if remote.api_key_file is not None:
                 self.headers = (("x-api-key", Path(remote.api_key_file).read_text().strip()),)

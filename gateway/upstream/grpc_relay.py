@@ -13,6 +13,7 @@ import ipaddress
 import socket
 import urllib.parse
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -20,6 +21,7 @@ import grpc.aio
 from gateway.errors import UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 from gateway.upstream.haproxy import TARGET_IP_HEADER, TARGET_PORT_HEADER
 from gateway.upstream.http_client import HttpPool, HttpResponse
+from gateway.upstream.tls import UpstreamTls
 
 SERVICE = "/inference.GRPCInferenceService/"
 # Codes meaning Triton never produced a response: another server may be tried.
@@ -27,24 +29,28 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.Statu
 _MAX_MESSAGE = 256 * 1024 * 1024
 
 
-def triton_channel(address: str) -> grpc.aio.Channel:
-    """A grpc.aio channel to one Triton (created in the running loop, which it binds to)."""
-    return grpc.aio.insecure_channel(
-        address,
-        options=[
-            ("grpc.max_send_message_length", _MAX_MESSAGE),
-            ("grpc.max_receive_message_length", _MAX_MESSAGE),
-            ("grpc.enable_retries", 0),  # retries are the gateway's decision, not the channel's
-            ("grpc.keepalive_time_ms", 10_000),
-        ],
-    )
+def triton_channel(address: str, tls: UpstreamTls | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to one Triton, or over `tls` to another gateway (created in the running
+    loop, which it binds to)."""
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_send_message_length", _MAX_MESSAGE),
+        ("grpc.max_receive_message_length", _MAX_MESSAGE),
+        ("grpc.enable_retries", 0),  # retries are the gateway's decision, not the channel's
+        ("grpc.keepalive_time_ms", 10_000),
+    ]
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    if tls.server_name is not None:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.aio.secure_channel(address, tls.credentials, options=options)
 
 
 class GrpcChannel:
     """One channel (HTTP/2 connection) to a Triton gRPC endpoint, with raw unary methods."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: UpstreamTls | None = None) -> None:
         self.address = address
+        self.tls = tls
         # Created on first use: a grpc.aio channel binds to the running event loop.
         self.channel: grpc.aio.Channel | None = None
         self._methods: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
@@ -53,7 +59,7 @@ class GrpcChannel:
         m = self._methods.get(name)
         if m is None:
             if self.channel is None:
-                self.channel = triton_channel(self.address)
+                self.channel = triton_channel(self.address, self.tls)
             m = self.channel.unary_unary(SERVICE + name, request_serializer=None, response_deserializer=None)
             self._methods[name] = m
         return m
@@ -82,13 +88,14 @@ class StreamChannel:
     """A grpc.aio channel for one Triton's streams (ModelStreamInfer): bidirectional calls, which the
     unary relay through HAProxy cannot carry. Created on first use (it binds to the running loop)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: UpstreamTls | None = None) -> None:
         self.address = address
+        self.tls = tls
         self.channel: grpc.aio.Channel | None = None
 
     def open(self, metadata: Sequence[tuple[str, str]], timeout_s: float | None) -> grpc.aio.StreamStreamCall:
         if self.channel is None:
-            self.channel = triton_channel(self.address)
+            self.channel = triton_channel(self.address, self.tls)
         method = self.channel.stream_stream(
             SERVICE + "ModelStreamInfer", request_serializer=None, response_deserializer=None
         )

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import Any
 
 import httptools
 
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
+from gateway.upstream.tls import UpstreamTls
 
 
 class _Expired(Exception):
@@ -117,10 +119,16 @@ class HttpPool:
     """Connections to one Triton HTTP endpoint."""
 
     def __init__(
-        self, address: str, connect_timeout_s: float = 1.0, max_idle: int = 64, unix_path: str | None = None
+        self,
+        address: str,
+        connect_timeout_s: float = 1.0,
+        max_idle: int = 64,
+        unix_path: str | None = None,
+        tls: UpstreamTls | None = None,
     ) -> None:
         self.address = address
         self.unix_path = unix_path  # connect here instead (a local HAProxy); `address` names it in errors
+        self.tls = tls
         host, _, port = address.rpartition(":")
         # "[::1]:8000": the brackets belong to the address text (and the Host header), not the host.
         self.host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
@@ -136,7 +144,9 @@ class HttpPool:
             connecting = (
                 loop.create_unix_connection(lambda: _Connection(self), self.unix_path)
                 if self.unix_path
-                else loop.create_connection(lambda: _Connection(self), self.host, self.port)
+                else loop.create_connection(
+                    lambda: _Connection(self), self.host, self.port, **self._tls_args()
+                )
             )
             _, conn = await asyncio.wait_for(connecting, self.connect_timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:
@@ -144,6 +154,15 @@ class HttpPool:
                 f"{self.address}: cannot connect ({exc.__class__.__name__}: {exc})"
             ) from exc
         return conn
+
+    def _tls_args(self) -> dict[str, Any]:
+        if self.tls is None:
+            return {}
+        return {
+            "ssl": self.tls.context,
+            "server_hostname": self.tls.server_name or self.host,
+            "ssl_handshake_timeout": self.connect_timeout_s,
+        }
 
     async def request(
         self,

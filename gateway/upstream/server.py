@@ -16,6 +16,7 @@ from typing import Any
 from gateway.config import ServerConfig
 from gateway.upstream.grpc_relay import GrpcChannel, GrpcRelay, RelayChannel, StreamChannel
 from gateway.upstream.http_client import HttpPool, HttpResponse
+from gateway.upstream.tls import UpstreamTls
 
 Clock = Callable[[], float]
 
@@ -71,16 +72,17 @@ class UpstreamServer:
         connect_timeout_s: float,
         clock: Clock = time.monotonic,
         grpc_relay: GrpcRelay | None = None,
+        tls: UpstreamTls | None = None,
     ) -> None:
         self.name = cfg.name
         self.region = region
         self.http_address = cfg.http
         self.grpc_address = cfg.grpc
-        self.http = HttpPool(cfg.http, connect_timeout_s=connect_timeout_s)
+        self.http = HttpPool(cfg.http, connect_timeout_s=connect_timeout_s, tls=tls)
         self.grpc: GrpcChannel | RelayChannel = (
-            grpc_relay.channel(cfg.grpc) if grpc_relay is not None else GrpcChannel(cfg.grpc)
+            grpc_relay.channel(cfg.grpc) if grpc_relay is not None else GrpcChannel(cfg.grpc, tls)
         )
-        self.streams = StreamChannel(cfg.grpc)  # ModelStreamInfer: always direct, never relayed
+        self.streams = StreamChannel(cfg.grpc, tls)  # ModelStreamInfer: always direct, never relayed
         self.clock = clock
         self.latency = LatencyStats(decay_s)
         self.probe_rtt = LatencyStats(decay_s * 5)

@@ -18,18 +18,21 @@ from gateway.config import load_gateway_config
 from gateway.fleet.cascade import Cascade, check_rules
 from gateway.fleet.cascade_rule import rule_document, write_rule
 from tests.deploy.test_compose import _host_ips, _volumes
+from tests.gateway.tls_certs import self_signed_certificate
 
 ROOT = Path(__file__).resolve().parents[2]
 EDGE = ROOT / "deploy" / "edge"
 KEY_TARGET = "/run/secrets/cloud_key"
+CA_TARGET = "/run/secrets/cloud_ca"
 RULE_DIR_TARGET = "/etc/skewserve/cascade"
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """What a site sets: its clients' keys, the cloud's address, the key file and the rule folder."""
+    """What a site sets: its clients' keys, the cloud's address, the key and CA files, the rule folder."""
     work = tmp_path_factory.mktemp("edge_site")
     (work / "cloud.key").write_text("the-cloud-key\n")
+    ca, _ = self_signed_certificate(work)
     rules = work / "cascade"
     classes = [f"class_{i}" for i in range(3)]
     write_rule(rules / "rule.json", rule_document("per_class", classes, 1.2, [0.5, 0.9, 2.0], 1))
@@ -37,6 +40,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "SKEWSERVE_API_KEYS": '[{"name": "site-app", "sha256": "' + "b" * 64 + '"}]',
         "SKEWSERVE_CLOUD_GATEWAY_IP": "10.20.30.40",
         "SKEWSERVE_CLOUD_KEY_FILE": str(work / "cloud.key"),
+        "SKEWSERVE_CLOUD_CA_FILE": str(ca),
         "SKEWSERVE_CASCADE_DIR": str(rules),
     }
 
@@ -82,7 +86,7 @@ def test_one_cpu_triton_with_the_local_profile_reachable_only_by_the_gateway(
     assert triton["healthcheck"]["test"][-1].endswith("/v2/health/ready")
 
 
-def test_the_gateway_config_loads_and_its_cascade_ends_at_the_cloud_gateway_with_the_key(
+def test_the_gateway_config_loads_and_its_cascade_ends_at_the_cloud_gateway_over_tls_with_the_key(
     rendered: dict[str, Any], site: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gw = rendered["services"]["gateway"]
@@ -92,10 +96,12 @@ def test_the_gateway_config_loads_and_its_cascade_ends_at_the_cloud_gateway_with
     secret = next(s for s in gw["secrets"] if (s if isinstance(s, str) else s["source"]) == "cloud_key")
     assert isinstance(secret, str) or secret.get("target", "cloud_key") == "cloud_key"
     assert Path(rendered["secrets"]["cloud_key"]["file"]) == Path(site["SKEWSERVE_CLOUD_KEY_FILE"])
+    assert Path(rendered["secrets"]["cloud_ca"]["file"]) == Path(site["SKEWSERVE_CLOUD_CA_FILE"])
     # The config as the container reads it: its container paths pointed at the files mounted there.
     text = mounts["/etc/skewserve/gateway.yaml"].read_text()
-    assert KEY_TARGET in text and RULE_DIR_TARGET + "/" in text
+    assert KEY_TARGET in text and CA_TARGET in text and RULE_DIR_TARGET + "/" in text
     text = text.replace(KEY_TARGET, site["SKEWSERVE_CLOUD_KEY_FILE"])
+    text = text.replace(CA_TARGET, site["SKEWSERVE_CLOUD_CA_FILE"])
     text = text.replace(RULE_DIR_TARGET + "/", site["SKEWSERVE_CASCADE_DIR"] + "/")
     (tmp_path / "gateway.yaml").write_text(text)
     for key, value in gw["environment"].items():
@@ -113,6 +119,9 @@ def test_the_gateway_config_loads_and_its_cascade_ends_at_the_cloud_gateway_with
     )
     assert cloud.gateway is not None and cloud.rule is None
     assert (cloud.gateway.http, cloud.gateway.grpc) == ("cloud-gateway:8080", "cloud-gateway:8081")
+    # over TLS, verified against the site's CA: the key never crosses in clear
+    assert (cloud.gateway.tls, cloud.gateway.plaintext) == (True, False)
+    assert cloud.gateway.ca_file == site["SKEWSERVE_CLOUD_CA_FILE"]
     assert gw["extra_hosts"] == [f"cloud-gateway:{site['SKEWSERVE_CLOUD_GATEWAY_IP']}"]
     assert cascade.name in cfg.cache.models
     # the key file reaches the cloud stage's requests

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import signal
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2 as pb
 
 from gateway.fleet.cascade_rule import NEVER_KEEP, DeferralRule, read_rule, rule_document, write_rule
+from gateway.state.auth import hash_key
 from skewserve.ports import free_port
 from skewserve.triton_dist import PreparedTriton
 from tests.gateway.conftest import (
@@ -32,6 +34,7 @@ from tests.gateway.conftest import (
     wait_until,
 )
 from tests.gateway.relay import TcpRelay
+from tests.gateway.tls_certs import self_signed_certificate
 
 pytestmark = pytest.mark.slow
 CLASSES = 5  # the small data set's (tests/conftest.py small_data)
@@ -174,7 +177,23 @@ def setup(triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
     key_file = rules / "cloud.key"
     key_file.write_text("the-cloud-key\n")
     held_grpc = TcpRelay(triton.grpc_address, hold=True)
+    server = {"name": "t-near", "http": triton.http_address, "grpc": triton.grpc_address}
+    far = {"name": "t-far", "http": triton.http_address, "grpc": triton.grpc_address}
     closed = f"127.0.0.1:{free_port()}"  # nothing listens there
+    # the cloud behind its own gateway: TLS on its public ports, and the edge site's key required
+    cert, cert_key = self_signed_certificate(tmp_path_factory.mktemp("cloud_tls"))
+    cloud_gw = launch_gateway(
+        gateway_config(
+            {},
+            home="cloud",
+            regions=[{"name": "cloud", "servers": [{**far, "name": "t-cloud"}]}],
+            listen={"tls": {"cert_file": str(cert), "key_file": str(cert_key)}},
+            auth={"keys": [{"name": "edge-site", "sha256": hash_key("the-cloud-key")}]},
+            cache={"backend": "none"},
+        ),
+        tmp_path_factory.mktemp("cloud_gw"),
+    )
+    tls_stage = {"http": cloud_gw.http, "grpc": cloud_gw.grpc, "tls": True, "api_key_file": str(key_file)}
 
     def cascade(name: str, rule: Path, cloud: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -185,8 +204,6 @@ def setup(triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
             ],
         }
 
-    server = {"name": "t-near", "http": triton.http_address, "grpc": triton.grpc_address}
-    far = {"name": "t-far", "http": triton.http_address, "grpc": triton.grpc_address}
     cfg = gateway_config(
         {},
         home="near",
@@ -222,11 +239,17 @@ def setup(triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
                     }
                 },
             ),
+            cascade("digits-tls", rules / "escalate.json", {"gateway": {**tls_stage, "ca_file": str(cert)}}),
+            # no ca_file: the default roots, which never signed the cloud's certificate
+            cascade("digits-tls-untrusted", rules / "escalate.json", {"gateway": tls_stage}),
         ],
     )
     gw = launch_gateway(cfg, tmp_path_factory.mktemp("cascade_gw"))
     try:
-        wait_until(lambda: all(s["models"].get("cloud") for s in gw.admin()["servers"]), 30, "models ready")
+        for g in (gw, cloud_gw):
+            wait_until(
+                lambda g=g: all(s["models"].get("cloud") for s in g.admin()["servers"]), 30, "models ready"
+            )
         yield {
             "gw": gw,
             "triton": triton,
@@ -237,9 +260,12 @@ def setup(triton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
             "rules": rules,
             "held": (held, held_grpc),
             "keyed": keyed,
+            "cloud_gw": cloud_gw,
+            "cloud_ca": cert,
         }
     finally:
         gw.stop()
+        cloud_gw.stop()
         for relay in (held, held_grpc, keyed):
             relay.release()
             relay.close()
@@ -381,6 +407,37 @@ def test_a_stage_behind_another_gateway_sends_its_key(setup) -> None:
     assert b"\r\nx-api-key: the-cloud-key\r\n" in bytes(setup["keyed"].sent).lower()
 
 
+def test_a_stage_behind_a_tls_gateway_verifies_its_certificate_and_sends_its_key(setup) -> None:
+    """`tls: true` with the cloud gateway's CA: both protocols reach it over TLS with the key it
+    requires, and the answer is the cloud's; without that CA the certificate is not trusted, the
+    stage fails and the edge's answer comes back marked offline (never a request sent in clear)."""
+    row = setup["rows"][1]
+    body, headers = _json_body(row)
+    cloud = _direct(setup["triton"], "cloud", row)
+    head, probabilities = _http_answer(*_post(setup["gw"].http, "digits-tls", body, headers))
+    assert (head["model_name"], head["parameters"]["cascade_stage"]) == ("cloud", "cloud")
+    assert head["parameters"]["cascade_offline"] is False
+    np.testing.assert_allclose(probabilities, cloud, rtol=1e-6)
+    resp, _ = _grpc(setup["gw"].grpc, "digits-tls", row)
+    assert (_params(resp)["cascade_stage"], _params(resp)["cascade_offline"]) == ("cloud", False)
+    np.testing.assert_allclose(_grpc_probabilities(resp), cloud, rtol=1e-6)
+
+    head, _ = _http_answer(*_post(setup["gw"].http, "digits-tls-untrusted", body, headers))
+    assert (head["model_name"], head["parameters"]["cascade_offline"]) == ("edge", True)
+    resp, _ = _grpc(setup["gw"].grpc, "digits-tls-untrusted", row)
+    assert (resp.model_name, _params(resp)["cascade_offline"]) == ("edge", True)
+
+    host, port = setup["cloud_gw"].http.rsplit(":", 1)  # the key is what let the edge in
+    conn = http.client.HTTPSConnection(
+        host, int(port), context=ssl.create_default_context(cafile=str(setup["cloud_ca"])), timeout=30
+    )
+    try:
+        conn.request("POST", "/v2/models/cloud/infer", body, headers)
+        assert conn.getresponse().status == 401
+    finally:
+        conn.close()
+
+
 @pytest.mark.parametrize(
     "stages,message",
     [
@@ -413,6 +470,25 @@ def test_a_stage_behind_another_gateway_sends_its_key(setup) -> None:
                 },
             ],
             "stage 'cloud': region and gateway both set",
+        ),
+        *(
+            (
+                [
+                    {"name": "edge", "model": "edge", "rule": "r.json"},
+                    {"name": "cloud", "model": "cloud", "gateway": {"http": "h:1", "grpc": "h:2", **link}},
+                ],
+                message,
+            )
+            for link, message in (
+                ({"api_key_file": "k"}, "api_key_file without tls would send the key in clear"),
+                ({"tls": True, "plaintext": True}, "tls and plaintext both set"),
+                ({"ca_file": "ca.pem"}, "ca_file and server_name apply to a TLS link"),
+                (
+                    {"tls": True, "ca_file": "/nonexistent/ca.pem"},
+                    "ca_file '/nonexistent/ca.pem' does not exist",
+                ),
+                ({"tls": True, "ca_file": __file__}, "holds no PEM certificate"),
+            )
         ),
     ],
 )

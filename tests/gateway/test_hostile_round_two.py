@@ -27,6 +27,7 @@ from gateway.state.auth import hash_key
 from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway
 from tests.gateway.steady_load import check_infer_answer
 from tests.gateway.test_workers import ROW, workers_of
+from tests.gateway.tls_certs import self_signed_certificate
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -722,44 +723,6 @@ def test_one_source_cannot_fill_the_grpc_port_and_idle_connections_close(bounded
 
 
 # -- 9: TLS on the public ports ----------------------------------------------------------------------------
-def _self_signed(directory: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 (and its key), as a cert-manager Issuer would hand one out."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "skewserve-gateway")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_file, key_file = directory / "tls.crt", directory / "tls.key"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    key_file.chmod(0o600)
-    return cert_file, key_file
-
-
 @pytest.mark.parametrize(("workers", "plane"), [(2, "haproxy"), (1, "grpcio")])
 def test_the_public_ports_speak_tls_and_keys_never_cross_in_clear(
     one_triton, make_gateway, tmp_path: Path, workers: int, plane: str
@@ -767,7 +730,7 @@ def test_the_public_ports_speak_tls_and_keys_never_cross_in_clear(
     import http.client
     import ssl
 
-    cert_file, key_file = _self_signed(tmp_path)
+    cert_file, key_file = self_signed_certificate(tmp_path)
     gw = make_gateway(
         gateway_config(
             one_triton,
