@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 LOCK_ARGS ?=
 
-.PHONY: setup demo test test-latest lock lock-upgrade lint bench-training bench-gateway bench-placement chaos clean
+.PHONY: setup demo test test-latest lock lock-upgrade lint bench-training bench-gateway bench-placement bench-cascade chaos clean
 
 setup: $(STAMP) $(APT_STAMP)
 
@@ -117,6 +117,10 @@ bench-gateway: setup
 
 bench-placement: setup
 	$(BIN)/python benchmarks/placement_bench.py
+
+# Edge-cloud cascade on digits-LT (docs/cascade.md#benchmark): trains, exports, serves; about 10 minutes.
+bench-cascade: setup
+	$(BIN)/python benchmarks/cascade_bench.py --out docs
 
 # The control plane under faults (benchmarks/chaos.py): MINUTES of skewed locust traffic through the gateway
 # while 5% of storage calls fail, the controller leader is killed every 60 s and a tritonserver every 90 s,

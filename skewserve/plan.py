@@ -116,6 +116,13 @@ class PriceTable(_Strict):
 
 class PlanOptions(_Strict):
     cache_hit_rate: float = Field(default=0.0, ge=0, lt=1, description="share of requests the caches answer")
+    escalation_rate: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="share of requests (past the cache) an edge tier's cascade sends on to these servers; "
+        "1 = no edge tier (docs/cascade.md)",
+    )
     spot_share: float = Field(default=0.0, ge=0, le=1, description="share of elastic servers on spot")
     utilization: float = Field(default=0.7, gt=0, le=1, description="planned load / measured capacity")
     min_servers: int = Field(default=2, ge=1, description="per region, at any hour (redundancy)")
@@ -154,6 +161,12 @@ class Plan(_Strict):
     monthly_cost_without_cache: float
     monthly_cost_without_spot: float
     monthly_cost_all_on_demand: float
+    monthly_cost_without_edge: float
+    server_hours_per_day_without_edge: int
+
+    @property
+    def server_hours_per_day(self) -> int:
+        return sum(sum(r.servers) for r in self.regions)
 
     @property
     def monthly_cost(self) -> float:
@@ -176,6 +189,13 @@ class Plan(_Strict):
             "cache_saves_per_month": round(self.monthly_cost_without_cache - self.monthly_cost, 2),
             "spot_saves_per_month": round(self.monthly_cost_without_spot - self.monthly_cost, 2),
             "all_on_demand_monthly_cost": round(self.monthly_cost_all_on_demand, 2),
+            "edge": {
+                "escalation_rate": self.options.escalation_rate,
+                "saves_per_month": round(self.monthly_cost_without_edge - self.monthly_cost, 2),
+                "server_hours_per_day": self.server_hours_per_day,
+                "server_hours_per_day_saved": self.server_hours_per_day_without_edge
+                - self.server_hours_per_day,
+            },
             "regions": {
                 r.region: {
                     "instance_type": r.instance_type,
@@ -255,6 +275,23 @@ def capacity_from_loadtest(
 CACHE_DOMINATED = 0.5
 
 
+def escalation_from_rule(path: Path) -> float:
+    """The share of requests a cascade's rule sends on to the cloud, as `skewserve cascade calibrate`
+    measured it on the validation split (the rule file's validation.cascade.escalation_rate)."""
+    if not path.is_file():
+        raise PlanInputError(f"{path} does not exist: give the rule file `skewserve cascade calibrate` wrote")
+    try:
+        rate = json.loads(path.read_text())["validation"]["cascade"]["escalation_rate"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PlanInputError(
+            f"{path} has no validation.cascade.escalation_rate: give a rule file written by "
+            "`skewserve cascade calibrate`, or pass --escalation-rate"
+        ) from exc
+    if not isinstance(rate, int | float) or not 0 < rate <= 1:
+        raise PlanInputError(f"{path}: escalation_rate {rate!r} is not in (0, 1]; pass --escalation-rate")
+    return float(rate)
+
+
 def loadtest_warnings(out_dir: Path) -> list[str]:
     """Why a load test may not measure server capacity (its summary.json, when it has one)."""
     path = out_dir / "summary.json"
@@ -294,7 +331,7 @@ def plan_region(
     itype = cheapest_type(capacity, prices, region)
     price = prices.price(region, itype)
     client = [traffic.peak_rps * f for f in traffic.curve]
-    backend = [c * (1 - opts.cache_hit_rate) for c in client]
+    backend = [c * (1 - opts.cache_hit_rate) * opts.escalation_rate for c in client]
     servers = [servers_needed(b, capacity[itype], opts.utilization, opts.min_servers) for b in backend]
     baseline = min(servers)
     return RegionPlan(
@@ -321,8 +358,8 @@ def _monthly(
 def _all_on_demand(
     traffic: TrafficProfile, capacity: dict[str, float], prices: PriceTable, opts: PlanOptions
 ) -> float:
-    """The naive bill: no cache, every server on demand all day."""
-    no_cache = opts.model_copy(update={"cache_hit_rate": 0.0})
+    """The naive bill: no cache, no edge tier, every server on demand all day."""
+    no_cache = opts.model_copy(update={"cache_hit_rate": 0.0, "escalation_rate": 1.0})
     total = 0.0
     for region, t in traffic.regions.items():
         rp = plan_region(region, t, capacity, prices, no_cache)
@@ -336,6 +373,7 @@ def make_plan(
     for itype in capacity:
         for region in traffic.regions:
             prices.price(region, itype)  # every measured type must be priced: fail early, naming it
+    without_edge = opts.model_copy(update={"escalation_rate": 1.0})
     return Plan(
         options=opts,
         regions=[plan_region(r, t, capacity, prices, opts) for r, t in traffic.regions.items()],
@@ -346,6 +384,10 @@ def make_plan(
             traffic, capacity, prices, opts.model_copy(update={"spot_share": 0.0})
         ),
         monthly_cost_all_on_demand=_all_on_demand(traffic, capacity, prices, opts),
+        monthly_cost_without_edge=_monthly(traffic, capacity, prices, without_edge),
+        server_hours_per_day_without_edge=sum(
+            sum(plan_region(r, t, capacity, prices, without_edge).servers) for r, t in traffic.regions.items()
+        ),
     )
 
 

@@ -37,6 +37,18 @@ def plan_command(
         100.0, "--slo-p99-ms", min=0.001, help="Latency SLO capacity is read at."
     ),
     cache_hit_rate: float = typer.Option(0.0, "--cache-hit-rate", min=0.0, max=0.99),
+    escalation_rate: float | None = typer.Option(
+        None,
+        "--escalation-rate",
+        min=0.001,
+        max=1.0,
+        help="With an edge tier: share of requests its cascade sends on to these servers.",
+    ),
+    cascade_rule: Path | None = typer.Option(
+        None,
+        "--cascade-rule",
+        help="With an edge tier: its rule file (skewserve cascade calibrate); the escalation rate it measured.",
+    ),
     spot_share: float = typer.Option(0.0, "--spot-share", min=0.0, max=1.0, help="Elastic servers on spot."),
     utilization: float = typer.Option(
         0.7, "--utilization", min=0.01, max=1.0, help="Planned load / capacity."
@@ -52,6 +64,7 @@ def plan_command(
         PlanInputError,
         PlanOptions,
         capacity_from_loadtest,
+        escalation_from_rule,
         load_capacity,
         load_prices,
         load_traffic,
@@ -71,8 +84,14 @@ def plan_command(
             if capacity is not None
             else capacity_from_loadtest(loadtest_dir, servers_tested, instance_type, slo_p99_ms)  # type: ignore[arg-type]
         )
+        if escalation_rate is not None and cascade_rule is not None:
+            raise typer.BadParameter(
+                "give --escalation-rate or --cascade-rule, not both", param_hint="--escalation-rate"
+            )
+        escalation = escalation_from_rule(cascade_rule) if cascade_rule is not None else escalation_rate
         opts = PlanOptions(
             cache_hit_rate=cache_hit_rate,
+            escalation_rate=1.0 if escalation is None else escalation,
             spot_share=spot_share,
             utilization=utilization,
             min_servers=min_servers,
@@ -116,5 +135,12 @@ def print_plan(plan: Any, out: Path) -> None:
     say(
         f"cache saves ${s['cache_saves_per_month']:,.2f}/month, spot saves ${s['spot_saves_per_month']:,.2f}/month"
     )
-    say(f"all on demand without cache: ${s['all_on_demand_monthly_cost']:,.2f}/month")
+    edge = s["edge"]
+    if edge["escalation_rate"] < 1:
+        say(
+            f"edge tier: {100 * (1 - edge['escalation_rate']):.1f}% of requests answered at the edge; the cloud "
+            f"needs {edge['server_hours_per_day']} server-hours/day, {edge['server_hours_per_day_saved']} fewer "
+            f"(saves ${edge['saves_per_month']:,.2f}/month)"
+        )
+    say(f"all on demand without cache or edge: ${s['all_on_demand_monthly_cost']:,.2f}/month")
     say(f"written: {out / 'plan.json'}, {out / 'plan.png'}")

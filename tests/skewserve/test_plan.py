@@ -65,6 +65,35 @@ def test_cache_hit_rate_shrinks_the_fleet_and_the_bill_by_hand() -> None:
     assert plan.cost_per_million == pytest.approx(88.8 / 64.8)
 
 
+def test_an_edge_tier_counts_the_cloud_servers_it_saves_by_hand() -> None:
+    """An edge cascade escalating half the requests: the cloud serves 250 and 500 rps."""
+    plan = make_plan(TRAFFIC, {"g": 100.0}, PRICES, OPTS.model_copy(update={"escalation_rate": 0.5}))
+    (a,) = plan.regions
+    # 250 / 100 -> 3 servers (rounded up), 500 / 100 -> 5
+    assert a.servers == [3] * 12 + [5] * 12
+    # quiet 3 reserved x 0.6 = 1.8; busy 1.8 + 2 elastic x 0.65 = 3.1; day 58.8; month x 730 / 24
+    assert plan.monthly_cost == pytest.approx(58.8 * 730 / 24)  # 1788.5
+    edge = plan.summary()["edge"]
+    # without the edge it is the first case's 3376.25 and 180 server-hours a day (12 x 5 + 12 x 10)
+    assert edge["saves_per_month"] == pytest.approx(3376.25 - 1788.5)
+    assert (edge["server_hours_per_day"], edge["server_hours_per_day_saved"]) == (96, 84)
+    # the naive bill has neither cache nor edge
+    assert plan.monthly_cost_all_on_demand == pytest.approx(5475.0)
+
+
+def test_the_escalation_rate_is_read_from_a_calibrated_rule_file(tmp_path: Path) -> None:
+    from skewserve.plan import escalation_from_rule
+
+    rule = tmp_path / "rule.json"
+    rule.write_text(json.dumps({"validation": {"cascade": {"escalation_rate": 0.3}}}))
+    assert escalation_from_rule(rule) == 0.3
+    rule.write_text(json.dumps({"format": "skewserve.cascade-rule/1"}))
+    with pytest.raises(PlanInputError, match="has no validation.cascade.escalation_rate"):
+        escalation_from_rule(rule)
+    with pytest.raises(PlanInputError, match="does not exist"):
+        escalation_from_rule(tmp_path / "missing.json")
+
+
 def test_utilisation_headroom_rounds_up_and_min_servers_holds() -> None:
     assert servers_needed(150, 100, 0.7, 1) == 3  # 150 / 70 = 2.14 -> 3
     assert servers_needed(140, 100, 0.7, 1) == 2  # exactly 2: no spurious third server
@@ -193,6 +222,18 @@ def test_plan_command_prints_the_table_and_writes_json_and_png(tmp_path: Path) -
     summary = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert summary["regions"]["a"]["autoscaler"] == {"min": 5, "max": 11}
     assert Image.open(tmp_path / "out" / "plan.png").size[0] > 100
+    rule = tmp_path / "rule.json"
+    rule.write_text(json.dumps({"validation": {"cascade": {"escalation_rate": 0.5}}}))
+    edge = subprocess.run(
+        [*res.args[:-2], "--cascade-rule", str(rule), "--out", str(tmp_path / "edge")],
+        capture_output=True,
+        text=True,
+    )
+    assert edge.returncode == 0, edge.stdout + edge.stderr
+    assert (
+        "edge tier: 50.0% of requests answered at the edge; the cloud needs 96 server-hours/day, 84 fewer "
+        "(saves $1,587.75/month)" in " ".join(edge.stdout.split())
+    )
     missing = subprocess.run(
         [sys.executable, "-m", "skewserve", "plan", "--traffic", "t", "--prices", "p"],
         capture_output=True,
