@@ -20,12 +20,17 @@ CONTROL_HEADER = "skewserve-control"
 READ_TIMEOUT_S = 10.0
 
 
+# What only the controller may call: load, unload and the index, and the APIs that reach into the
+# server's memory and files (shared memory regions, trace files, log settings), as in deploy/.
+RESTRICTED_APIS = "model-repository,shared-memory,trace,logging"
+
+
 def restricted_api_args(key: str) -> tuple[str, ...]:
-    """tritonserver flags that close the model-repository API (index, load, unload) to all but
-    callers presenting `key` in the control header, on HTTP and gRPC alike."""
+    """tritonserver flags that close RESTRICTED_APIS to all but callers presenting `key` in the
+    control header, on HTTP and gRPC alike."""
     return (
-        f"--http-restricted-api=model-repository:{CONTROL_HEADER}={key}",
-        f"--grpc-restricted-protocol=model-repository:{CONTROL_HEADER}={key}",
+        f"--http-restricted-api={RESTRICTED_APIS}:{CONTROL_HEADER}={key}",
+        f"--grpc-restricted-protocol={RESTRICTED_APIS}:{CONTROL_HEADER}={key}",
     )
 
 

@@ -78,7 +78,7 @@ class RegionAutoscaler:
         self.prepared = prepared
         self.dns = dns
         self.dns_name = f"triton.{region}.skewserve.local"
-        self.gateway_lists = gateway_lists  # address -> does the gateway still route to it?
+        self.gateway_lists = gateway_lists  # address -> does the gateway still route or drain to it?
         self.clock = clock
         self.hosts = [f"127.{10 + index}.0.{n + 1}" for n in range(policy.max_servers)]
         self.http_port, self.grpc_port, self.metrics_port = shared_ports(self.hosts)

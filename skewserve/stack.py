@@ -9,6 +9,7 @@ Stack config (YAML or TOML):
     response_cache_mb: 0                  # Triton's own response cache per server (MiB, 0: off)
     autoscale: {target: 2, max_servers: 4} # optional: servers per region follow their load (docs/autoscaling.md)
     gateway: {home_region: us-east, listen: {http_port: 8080, grpc_port: 8081, ops_port: 8082}, cache: {...}}
+    edge: {servers: 1, gateway: {cascades: [...]}}  # optional: an edge site in front (skewserve/edge_tier.py)
 The gateway section is a gateway config without `regions`: they are filled in from the servers.
 """
 
@@ -31,6 +32,7 @@ from controller.config import ControllerConfig
 from controller.triton_admin import restricted_api_args
 from gateway.config import GatewayConfig, RegionConfig, ServerConfig, format_validation_error
 from skewserve.autoscale import AutoscalePolicy
+from skewserve.edge_tier import EdgeTier, EdgeTierConfig, EdgeTierError, check_edge_config, resolve_paths
 from skewserve.errors import SkewserveError
 from skewserve.gateway_process import GatewayProcess, start_gateway_process
 from skewserve.triton_process import TritonFleet, TritonServerSpec, response_cache_config
@@ -73,6 +75,11 @@ class StackConfig(BaseModel):
         description="scale each region's Triton servers on their load (skewserve up --autoscale); "
         "`regions` then gives the initial counts",
     )
+    edge: EdgeTierConfig | None = Field(
+        default=None,
+        description="an edge site in front of the stack's gateway: its own CPU servers and a gateway "
+        "serving cascades whose last stage is this stack (skewserve/edge_tier.py, docs/cascade.md)",
+    )
 
     @field_validator("regions")
     @classmethod
@@ -113,6 +120,12 @@ def load_stack_config(path: Path) -> StackConfig:
     except ValidationError as exc:
         raise StackConfigError(format_validation_error(exc, f"{path} (gateway section)")) from exc
     cfg.gateway = gw
+    if cfg.edge is not None:
+        cfg.edge = resolve_paths(cfg.edge, path.parent)
+        try:
+            check_edge_config(cfg.edge, str(path))
+        except EdgeTierError as exc:
+            raise StackConfigError(str(exc)) from exc
     return cfg
 
 
@@ -146,6 +159,11 @@ class LocalStack:
         self.gateway_ops = ""  # host:port of the ops listener: /metrics, /admin/upstreams
         self.gateway_config_path = self.log_dir / "gateway.generated.yaml"
         self.controller: ControllerThread | None = None
+        self.edge = (
+            EdgeTier(config.edge, config.repository, config.model_config_name, self.log_dir)
+            if config.edge is not None
+            else None
+        )
 
     @property
     def controlled(self) -> bool:
@@ -209,14 +227,18 @@ class LocalStack:
         return self._gateway_lists(f"{region}/{address}")  # discovered servers are named region/address
 
     def _gateway_lists(self, name: str) -> bool:
-        """Does the gateway still hold server `name` (its ops listener's /admin/upstreams)?"""
+        """Does the gateway still hold server `name` (its ops listener's /admin/upstreams): route to
+        it, or still drain requests sent to it before it left? A removed server's requests are in
+        Triton's hands until the drain ends; stopped before that, Triton unloads the model under
+        them (the admin page counts draining servers, not which, so any drain counts)."""
         if not self.gateway_ops:
             return False
         try:
             with urllib.request.urlopen(f"http://{self.gateway_ops}/admin/upstreams", timeout=5) as r:
-                return any(s["name"] == name for s in json.loads(r.read())["servers"])
+                upstreams = json.loads(r.read())
         except (OSError, ValueError):  # gateway gone or stopping: it routes nothing any more
             return False
+        return upstreams["servers_draining"] > 0 or any(s["name"] == name for s in upstreams["servers"])
 
     def start(self, timeout_s: float = 60.0) -> LocalStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -245,6 +267,8 @@ class LocalStack:
         self.gateway_ops = self.gateway.ops
         for scaler in self.autoscalers:
             scaler.start_loop()
+        if self.edge is not None:  # its cascades' last stage is the gateway just started
+            self.edge.start((self.gateway_http, self.gateway_grpc), host, timeout_s)
         return self
 
     @property
@@ -284,6 +308,8 @@ class LocalStack:
             logger.warning("models that failed to load: %s", "; ".join(report.failures))
 
     def stop(self) -> None:
+        if self.edge is not None:
+            self.edge.stop()  # its clients' requests end at the edge before the cloud goes
         for scaler in self.autoscalers:
             scaler._stop.set()  # no scaling while the gateway goes away
         if self.gateway is not None:

@@ -104,8 +104,9 @@ def gateway_repo(small_artifact: Path, tmp_path_factory: pytest.TempPathFactory)
     return repo
 
 
-# In CI every real component is installed (the Makefile does it), so a skip there means one is
-# missing and its tests silently did not run: that fails. The one allowed skip is a GPU-only path on
+# In CI every real component is installed (the Makefile installs what pip and apt carry; kubectl
+# comes with the CI image), so a skip there means one is missing and its tests silently did not run:
+# that fails. The one allowed skip is a GPU-only path on
 # a machine without a GPU, and its reason says so.
 _GPU_SKIP_WORDS = ("gpu", "cuda", "tensorrt")
 

@@ -150,7 +150,10 @@ def _says_gone(body: bytes, model: str) -> bool:
     words comes after Triton's prefix ("[request id: ...]"), never first. The server may already
     hold the model again (unloaded and loaded since): the request was not run, so it is retried."""
     text = body.removeprefix(b'{"error":"')
-    return text.startswith(f"Request for unknown model: '{model}' has no available versions".encode())
+    prefix = f"Request for unknown model: '{model}' ".encode()
+    # "is not found": the model left the server's repository altogether, as when Triton unloads
+    # everything on its way out (SIGTERM) while a request routed before the server left arrives
+    return text.startswith(prefix + b"has no available versions") or text.startswith(prefix + b"is not found")
 
 
 def not_ready_version(body: bytes, model: str) -> str | None:

@@ -115,7 +115,10 @@ def watch_stack(stack: Any) -> None:
     proc = stack.gateway_proc
     if proc is not None and proc.poll() is not None:
         raise StackDied(f"the gateway exited with code {proc.returncode}; see {stack.log_dir}/gateway.log")
-    for server in stack.fleet.servers:
+    edge = getattr(stack, "edge", None)
+    if edge is not None and edge.gateway is not None and edge.gateway.proc.poll() is not None:
+        raise StackDied(f"the edge gateway exited; see {edge.log_dir}/gateway.log")
+    for server in [*stack.fleet.servers, *(edge.fleet.servers if edge is not None else [])]:
         if server.pid is not None and not server.is_running():
             raise StackDied(f"tritonserver {server.spec.name} exited; see its log in {stack.log_dir}")
 
@@ -152,9 +155,26 @@ def print_stack(stack: Any) -> None:
     servers = list(stack.fleet.servers)
     for scaler in getattr(stack, "autoscalers", []):
         servers += list(scaler.servers.values())
+    edge = getattr(stack, "edge", None)
+    if edge is not None and edge.gateway is not None:
+        table.add_row(
+            "edge gateway",
+            "edge",
+            "edge-gateway",
+            text(f"http://{edge.gateway.http}"),
+            text(edge.gateway.grpc),
+            str(edge.gateway.proc.pid),
+        )
+        servers += list(edge.fleet.servers)
     for s in servers:
         table.add_row("triton", *map(text, (s.spec.region, s.spec.name, s.http_url, s.grpc_address, s.pid)))
     console.print(table)
+    if edge is not None and edge.gateway is not None:
+        names = [c["name"] for c in edge.cfg.gateway.get("cascades", [])]
+        console.print(
+            f"edge tier: cascades {', '.join(names) or '(none)'} at http://{edge.gateway.http}; "
+            f"escalations go to the gateway above (ops: http://{edge.gateway.ops}/metrics)"
+        )
     for scaler in getattr(stack, "autoscalers", []):
         p = scaler.policy
         console.print(

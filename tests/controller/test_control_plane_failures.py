@@ -76,6 +76,18 @@ def test_a_version_failing_on_one_server_and_a_controller_killed_mid_rollout(
             grpcclient.InferenceServerClient(good.grpc_address).unload_model("lt")
         with pytest.raises(InferenceServerException, match="restricted"):
             httpclient.InferenceServerClient(good.http_address).get_model_repository_index()
+        # and the APIs that reach into the server's memory and files, as deploy/ closes them
+        for closed in (
+            lambda c: c.get_trace_settings(),
+            lambda c: c.get_log_settings(),
+            lambda c: c.get_system_shared_memory_status(),
+        ):
+            for client in (
+                httpclient.InferenceServerClient(good.http_address),
+                grpcclient.InferenceServerClient(good.grpc_address),
+            ):
+                with pytest.raises(InferenceServerException, match="restricted"):
+                    closed(client)
         for gateway_call in (
             lambda: httpclient.InferenceServerClient(gw.http).unload_model("lt"),
             lambda: grpcclient.InferenceServerClient(gw.grpc).unload_model("lt"),

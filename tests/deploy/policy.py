@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import re
 import shutil
 import subprocess
@@ -621,6 +622,35 @@ def rule_pdb_per_workload(objs: list[Obj]) -> Iterator[Violation]:
                     name(b),
                     f"allows no disruption of {name(obj)} ({replicas} replicas): node drains would hang",
                 )
+            elif replicas > 1 and _evictable(spec, replicas) >= replicas:
+                yield Violation(
+                    "pdb-per-workload",
+                    name(b),
+                    f"lets a drain evict all {replicas} replicas of {name(obj)} at once: the region empties",
+                )
+            if spec.get("unhealthyPodEvictionPolicy") == "AlwaysAllow":
+                yield Violation(
+                    "pdb-per-workload",
+                    name(b),
+                    "unhealthyPodEvictionPolicy AlwaysAllow evicts pods that are not Ready past the budget: "
+                    "servers still loading their models would all go; leave the default IfHealthyBudget",
+                )
+
+
+def _count(value: int | str, replicas: int) -> int:
+    """A budget's integer or percentage as pods, rounded up as Kubernetes rounds both fields."""
+    if isinstance(value, str) and value.endswith("%"):
+        return math.ceil(replicas * int(value[:-1]) / 100)
+    return int(value)
+
+
+def _evictable(spec: dict[str, Any], replicas: int) -> int:
+    """How many of `replicas` healthy pods a budget lets go at once."""
+    if "maxUnavailable" in spec:
+        return _count(spec["maxUnavailable"], replicas)
+    if "minAvailable" in spec:
+        return replicas - _count(spec["minAvailable"], replicas)
+    return 0
 
 
 def rule_topology_spread(objs: list[Obj]) -> Iterator[Violation]:

@@ -174,10 +174,27 @@ def test_the_base_with_each_clouds_component_passes(cloud: str, tmp_path: Path) 
     violations = policy.check(docs)
     assert violations == [], [str(v) for v in violations]
     # no cloud leaves a bucket key in the pods: each reaches the bucket by workload identity
-    triton = next(d for d in docs if policy.name(d) == "StatefulSet/triton")
-    env = {e["name"] for c in policy.containers(triton) for e in c.get("env", [])}
-    account = next(d for d in docs if policy.name(d) == "ServiceAccount/skewserve-triton")
-    assert "AWS_ROLE_ARN" in env or "eks.amazonaws.com/role-arn" in account["metadata"].get("annotations", {})
+    # and Triton's role only reads it; the controller, on its own account, writes
+    roles = {workload: _bucket_role(docs, workload, account) for workload, account in ROLE_OWNERS.items()}
+    assert roles["StatefulSet/triton"].endswith("-read"), roles
+    assert roles["Deployment/skewserve-controller"].endswith("-write"), roles
+
+
+ROLE_OWNERS = {
+    "StatefulSet/triton": "ServiceAccount/skewserve-triton",
+    "Deployment/skewserve-controller": "ServiceAccount/skewserve-controller",
+}
+
+
+def _bucket_role(docs: list[dict[str, Any]], workload: str, account: str) -> str:
+    """The IAM role a workload reaches the bucket as: its pods' AWS_ROLE_ARN, else its service
+    account's IRSA annotation (where EKS's webhook sets that variable)."""
+    pod = next(d for d in docs if policy.name(d) == workload)
+    env = {e["name"]: e.get("value", "") for c in policy.containers(pod) for e in c.get("env", [])}
+    annotations = next(d for d in docs if policy.name(d) == account)["metadata"].get("annotations", {})
+    role = env.get("AWS_ROLE_ARN") or annotations.get("eks.amazonaws.com/role-arn")
+    assert role, f"{workload} has no bucket role (AWS_ROLE_ARN or the IRSA annotation on {account})"
+    return str(role)
 
 
 @pytest.mark.parametrize("region", REGIONS)

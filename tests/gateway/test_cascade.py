@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import signal
 import ssl
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2 as pb
 
@@ -35,6 +37,7 @@ from tests.gateway.conftest import (
 )
 from tests.gateway.relay import TcpRelay
 from tests.gateway.tls_certs import self_signed_certificate
+from tests.process_helpers import cli_process, read_until
 
 pytestmark = pytest.mark.slow
 CLASSES = 5  # the small data set's (tests/conftest.py small_data)
@@ -382,6 +385,74 @@ def test_a_cached_answer_is_never_served_under_a_changed_rule(setup) -> None:
     assert ask_http() == ("cloud", "miss", "cloud")
     assert ask_http() == ("cloud", "hit", "cloud")
     assert ask_grpc() == ("cloud", "miss", "cloud")
+
+
+def _admin_models(ops: str) -> set[str]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{ops}/admin/upstreams", timeout=5) as r:
+        servers = json.loads(r.read())["servers"]
+    return {m for s in servers for m, ready in s["models"].items() if ready}
+
+
+def test_skewserve_up_runs_an_edge_tier_whose_cascades_end_at_the_stack(
+    setup, cascade_repo: Path, tmp_path: Path
+) -> None:
+    """`skewserve up` with an `edge:` section: an edge site (its own Triton, its own gateway) in
+    front of the stack's gateway; a cascade's `gateway: cloud` stage is the stack's gateway. A rule
+    that keeps every answer is answered at the edge; one that keeps none, by the cloud model behind
+    the stack's gateway, not marked offline. Rule paths are read from the stack file's folder."""
+    _rule(tmp_path / "keep.json", [0.0] * CLASSES, 1)  # keeps every edge answer
+
+    def cascade(name: str, rule: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "stages": [
+                {"name": "edge", "model": "edge", "rule": rule},
+                {"name": "cloud", "model": "cloud", "gateway": "cloud"},
+            ],
+        }
+
+    listen = {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0, "ops_port": 0}
+    stack = {
+        "repository": str(cascade_repo),
+        "regions": {"cloud": 1},
+        "gateway": {"listen": listen, "cache": {"backend": "none"}},
+        "edge": {
+            "servers": 1,
+            "gateway": {
+                "cache": {"backend": "none"},
+                "cascades": [
+                    cascade("digits-kept", "keep.json"),
+                    cascade("digits-sent", str(setup["rules"] / "escalate.json")),
+                ],
+            },
+        },
+    }
+    cfg = tmp_path / "stack.yaml"
+    cfg.write_text(yaml.safe_dump(stack))
+    with cli_process("up", "--config", str(cfg), "--log-dir", str(tmp_path / "logs")) as proc:
+        printed = " ".join(read_until(proc, "press Ctrl-C").split())
+        assert "press Ctrl-C" in printed, printed
+        edge = re.search(
+            r"edge tier: cascades digits-kept, digits-sent at http://(\S+); .*ops: http://(\S+)/metrics",
+            printed,
+        )
+        cloud_ops = re.search(r"gateway ops listener \(metrics, admin\): http://(\S+)/metrics", printed)
+        assert edge and cloud_ops, printed
+        wait_until(
+            lambda: "cloud" in _admin_models(cloud_ops.group(1)), 60, "the stack's gateway serves cloud"
+        )
+        wait_until(lambda: "edge" in _admin_models(edge.group(2)), 60, "the edge gateway serves edge")
+        row = setup["rows"][2]
+        body, headers = _json_body(row)
+        head, probabilities = _http_answer(*_post(edge.group(1), "digits-kept", body, headers))
+        assert (head["model_name"], head["parameters"]["cascade_stage"]) == ("edge", "edge")
+        np.testing.assert_allclose(probabilities, _direct(setup["triton"], "edge", row), rtol=1e-6)
+        head, probabilities = _http_answer(*_post(edge.group(1), "digits-sent", body, headers))
+        assert (head["model_name"], head["parameters"]["cascade_stage"]) == ("cloud", "cloud")
+        assert head["parameters"]["cascade_offline"] is False
+        np.testing.assert_allclose(probabilities, _direct(setup["triton"], "cloud", row), rtol=1e-6)
 
 
 def test_a_cascade_refuses_a_version(setup) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
 PACKAGES = {"fronts", "pipeline", "upstream", "fleet", "state", "operations"}
 # The process and the objects every package shares: the config, the errors, the headers that may
-# reach Triton, the Gateway itself, and what runs the process (listeners, reload, workers).
+# reach Triton, stopping background tasks, the Gateway itself, and what runs the process
+# (listeners, reload, workers).
 TOP_LEVEL = {
     "__init__",
     "__main__",
@@ -22,11 +23,12 @@ TOP_LEVEL = {
     "reload",
     "server",
     "supervisor",
+    "task_stop",
 }
 # Lowest first: a module may import from its own layer's package (or module) and from layers below,
 # never from a layer above. Within a layer, the packages or modules named do not import each other.
 LAYERS: list[set[str]] = [
-    {"errors"},
+    {"errors", "task_stop"},
     {"forward_headers"},
     {"config"},
     {"operations", "upstream"},  # metrics, logs, step costs; the calls to Triton

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -46,8 +47,10 @@ class HeldClients:
                 with self.lock:
                     self.ok += 1
             except Exception as exc:
+                # what the gateway said and when: a failure must be traceable to the scaling step
+                said = exc.read()[:300] if isinstance(exc, urllib.error.HTTPError) else b""
                 with self.lock:
-                    self.failures.append(repr(exc))
+                    self.failures.append(f"{time.strftime('%H:%M:%S')} {exc!r} {said!r}")
 
     def resize(self, n: int) -> None:
         while len(self.running) > n:
