@@ -16,6 +16,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from gateway.fleet.cascade_rule import NEVER_KEEP, rule_document, write_rule
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
 from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway, start_fleet, stop_fleet
@@ -52,7 +53,22 @@ def served(
     assert "synthetic" not in export.stdout
     meta = json.loads((work / "art" / "metadata.json").read_text())
     fleet = start_fleet(work / "repo", {"us-east": 1}, work / "logs", prepared_triton)
-    cfg = gateway_config(fleet, cache={"backend": "memory", "models": ["sep_raw"], "ttl_s": 60})
+    # Cascades on the raw-bytes ensemble, both stages the same model (the bytes must reach each
+    # stage unchanged): one whose rule keeps every answer, one whose rule keeps none.
+    cascades = []
+    for name, threshold in (("sep-kept", 0.0), ("sep-sent", NEVER_KEEP)):
+        rule = work / "rules" / f"{name}.json"
+        write_rule(
+            rule, rule_document("per_class", meta["classes"], 1.0, [threshold] * len(meta["classes"]), 1)
+        )
+        stages = [
+            {"name": "edge", "model": "sep_raw", "rule": str(rule)},
+            {"name": "cloud", "model": "sep_raw", "region": "us-east"},
+        ]
+        cascades.append({"name": name, "stages": stages})
+    cfg = gateway_config(
+        fleet, cache={"backend": "memory", "models": ["sep_raw"], "ttl_s": 60}, cascades=cascades
+    )
     gw = launch_gateway(cfg, work / "gw")
     try:
         yield work, meta, fleet["us-east"][0], gw
@@ -96,6 +112,32 @@ def test_raw_png_bytes_through_the_gateway_equal_tensors_sent_to_triton(served) 
     graw = grpcclient.InferInput("raw", [len(files), 1], "BYTES")
     graw.set_data_from_numpy(pngs)
     np.testing.assert_array_equal(g.infer("sep_raw", [graw]).as_numpy("label"), want.as_numpy("label"))
+
+
+@pytest.mark.parametrize(("cascade", "stage"), [("sep-kept", "edge"), ("sep-sent", "cloud")])
+def test_raw_png_bytes_through_a_cascade_reach_the_answering_stage_unchanged(
+    served, cascade: str, stage: str
+) -> None:
+    """Raw PNG bytes sent to a cascade, HTTP and gRPC: the stage the rule picks answers, with what the
+    raw-bytes ensemble answers to the same bytes called directly."""
+    work, _, server, gw = served
+    files = _png_files(work, 1)
+    pngs = np.array([[p.read_bytes()] for p in files], dtype=object)
+    raw = httpclient.InferInput("raw", [1, 1], "BYTES")
+    raw.set_data_from_numpy(pngs)
+    want = (
+        httpclient.InferenceServerClient(server.http_address)
+        .infer("sep_raw", [raw])
+        .as_numpy("probabilities")
+    )
+    got = httpclient.InferenceServerClient(gw.http).infer(cascade, [raw])
+    assert got.get_response()["parameters"]["cascade_stage"] == stage
+    np.testing.assert_allclose(got.as_numpy("probabilities"), want, atol=1e-6)
+    graw = grpcclient.InferInput("raw", [1, 1], "BYTES")
+    graw.set_data_from_numpy(pngs)
+    answer = grpcclient.InferenceServerClient(gw.grpc).infer(cascade, [graw])
+    assert answer.get_response().parameters["cascade_stage"].string_param == stage
+    np.testing.assert_allclose(answer.as_numpy("probabilities"), want, atol=1e-6)
 
 
 def test_a_corrupt_image_fails_only_its_request_with_the_item_named(served) -> None:
