@@ -711,6 +711,21 @@ class RemoteGatewayConfig(_Strict):
     def _address(cls, v: str) -> str:
         return host_port(v)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _https(cls, data: Any) -> Any:
+        """`https://host:port` is the natural way to write a TLS link: read it as host:port with tls."""
+        if not isinstance(data, dict):
+            return data
+        schemes = {k: data[k].split("://", 1)[0] for k in ("http", "grpc") if "://" in str(data.get(k, ""))}
+        if "https" in schemes.values():
+            if data.get("tls") is False or data.get("plaintext"):
+                raise ValueError(
+                    "an https:// address is a TLS link: remove tls: false / plaintext, or write host:port"
+                )
+            data = {**data, **{k: data[k].removeprefix("https://") for k in schemes}, "tls": True}
+        return data
+
     @model_validator(mode="after")
     def _link(self) -> RemoteGatewayConfig:
         if self.tls and self.plaintext:

@@ -83,8 +83,27 @@ def edge_gateway_config(
     return gw
 
 
-def check_edge_config(cfg: EdgeTierConfig, where: str) -> None:
+def check_edge_config(cfg: EdgeTierConfig, stack_gateway: dict[str, Any], where: str) -> None:
     """Validate the edge gateway's section now, with placeholder addresses, naming the field."""
+    sends_to_cloud = any(
+        stage.get("gateway") == CLOUD
+        for c in cfg.gateway.get("cascades", [])
+        for stage in c.get("stages", [])
+    )
+    needs = [
+        what
+        for what, on in (
+            ("auth.keys", bool(stack_gateway.get("auth", {}).get("keys"))),
+            ("listen.tls", bool(stack_gateway.get("listen", {}).get("tls"))),
+        )
+        if on
+    ]
+    if sends_to_cloud and needs:
+        raise EdgeTierError(
+            f"{where}: a stage's `gateway: cloud` reaches the stack's gateway in clear and without a key, but "
+            f"its gateway section sets {' and '.join(needs)}; write the stage's gateway out in full "
+            "(http, grpc, tls, ca_file, api_key_file) or drop those settings from the local stack"
+        )
     placeholder = [{"name": "probe", "http": "127.0.0.1:1", "grpc": "127.0.0.1:2"}]
     try:
         GatewayConfig(**edge_gateway_config(cfg, placeholder, ("127.0.0.1:3", "127.0.0.1:4")))
@@ -114,6 +133,7 @@ class EdgeTier:
         self.gateway: GatewayProcess | None = None
 
     def start(self, cloud: tuple[str, str], host: str, timeout_s: float) -> None:
+        """Start the servers, then the gateway; the caller stops the tier if this raises."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.fleet.start()
         servers = [

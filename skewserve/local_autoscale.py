@@ -146,8 +146,15 @@ class RegionAutoscaler:
         leaving = list(self.servers)[-count:]
         self.dns.publish(self.dns_name, set(self.servers) - set(leaving))
         deadline = time.monotonic() + 30
-        while self.gateway_lists is not None and time.monotonic() < deadline:
+        while self.gateway_lists is not None:
             if not any(self.gateway_lists(a) for a in leaving):
+                break
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "autoscaler %s: the gateway still routes or drains to %s after 30s; stopping them anyway",
+                    self.region,
+                    ", ".join(leaving),
+                )
                 break
             time.sleep(0.1)
         for address in leaving:

@@ -11,7 +11,8 @@ Inputs (typed, validated at the edge; each error names the file and field):
   optional per-region overrides.
 
 The model (each step is one small function below, tested against hand-computed cases):
-    backend rps(h)   = peak * curve[h] * (1 - cache hit rate)         (hits never reach Triton)
+    backend rps(h)   = peak * curve[h] * (1 - cache hit rate) * escalation rate
+                       (hits never reach Triton; an edge tier answers the rest but the escalated)
     servers(h)       = max(min_servers, ceil(backend rps(h) / (capacity * utilisation)))
     baseline         = min over the day of servers(h)  -> reserved instances, always on
     elastic(h)       = servers(h) - baseline           -> spot_share on spot, the rest on-demand
@@ -118,7 +119,7 @@ class PlanOptions(_Strict):
     cache_hit_rate: float = Field(default=0.0, ge=0, lt=1, description="share of requests the caches answer")
     escalation_rate: float = Field(
         default=1.0,
-        gt=0,
+        ge=0,
         le=1,
         description="share of requests (past the cache) an edge tier's cascade sends on to these servers; "
         "1 = no edge tier (docs/cascade.md)",
@@ -287,8 +288,8 @@ def escalation_from_rule(path: Path) -> float:
             f"{path} has no validation.cascade.escalation_rate: give a rule file written by "
             "`skewserve cascade calibrate`, or pass --escalation-rate"
         ) from exc
-    if not isinstance(rate, int | float) or not 0 < rate <= 1:
-        raise PlanInputError(f"{path}: escalation_rate {rate!r} is not in (0, 1]; pass --escalation-rate")
+    if not isinstance(rate, int | float) or not 0 <= rate <= 1:
+        raise PlanInputError(f"{path}: escalation_rate {rate!r} is not in [0, 1]; pass --escalation-rate")
     return float(rate)
 
 

@@ -123,7 +123,7 @@ def load_stack_config(path: Path) -> StackConfig:
     if cfg.edge is not None:
         cfg.edge = resolve_paths(cfg.edge, path.parent)
         try:
-            check_edge_config(cfg.edge, str(path))
+            check_edge_config(cfg.edge, gw, str(path))
         except EdgeTierError as exc:
             raise StackConfigError(str(exc)) from exc
     return cfg
@@ -236,11 +236,19 @@ class LocalStack:
         try:
             with urllib.request.urlopen(f"http://{self.gateway_ops}/admin/upstreams", timeout=5) as r:
                 upstreams = json.loads(r.read())
-        except (OSError, ValueError):  # gateway gone or stopping: it routes nothing any more
+            return bool(upstreams["servers_draining"]) or any(s["name"] == name for s in upstreams["servers"])
+        except (OSError, ValueError, KeyError, TypeError):  # gateway gone or stopping: it routes nothing
             return False
-        return upstreams["servers_draining"] > 0 or any(s["name"] == name for s in upstreams["servers"])
 
     def start(self, timeout_s: float = 60.0) -> LocalStack:
+        """Everything, in order; a start that fails part-way (or is interrupted) stops what it started."""
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> LocalStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.config.autoscale:
             self._start_autoscalers()

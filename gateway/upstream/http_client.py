@@ -136,7 +136,9 @@ class HttpPool:
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
         self._idle: deque[_Connection] = deque()
-        self._host_header = f"Host: {address}\r\n".encode()
+        # Behind a name (TLS's server_name), the Host header names it too, as gRPC's :authority does.
+        host = address if tls is None or tls.server_name is None else f"{tls.server_name}:{self.port}"
+        self._host_header = f"Host: {host}\r\n".encode()
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()

@@ -40,7 +40,7 @@ def plan_command(
     escalation_rate: float | None = typer.Option(
         None,
         "--escalation-rate",
-        min=0.001,
+        min=0.0,
         max=1.0,
         help="With an edge tier: share of requests its cascade sends on to these servers.",
     ),
@@ -140,7 +140,8 @@ def print_plan(plan: Any, out: Path) -> None:
         say(
             f"edge tier: {100 * (1 - edge['escalation_rate']):.1f}% of requests answered at the edge; the cloud "
             f"needs {edge['server_hours_per_day']} server-hours/day, {edge['server_hours_per_day_saved']} fewer "
-            f"(saves ${edge['saves_per_month']:,.2f}/month)"
+            f"(saves ${edge['saves_per_month']:,.2f}/month on the cloud side; the edge's own boxes are not priced, "
+            "and the cloud is not sized for the edge being down)"
         )
     say(f"all on demand without cache or edge: ${s['all_on_demand_monthly_cost']:,.2f}/month")
     say(f"written: {out / 'plan.json'}, {out / 'plan.png'}")

@@ -118,9 +118,14 @@ def watch_stack(stack: Any) -> None:
     edge = getattr(stack, "edge", None)
     if edge is not None and edge.gateway is not None and edge.gateway.proc.poll() is not None:
         raise StackDied(f"the edge gateway exited; see {edge.log_dir}/gateway.log")
-    for server in [*stack.fleet.servers, *(edge.fleet.servers if edge is not None else [])]:
+    for server in stack.fleet.servers:
         if server.pid is not None and not server.is_running():
             raise StackDied(f"tritonserver {server.spec.name} exited; see its log in {stack.log_dir}")
+    if edge is None:
+        return
+    for server in edge.fleet.servers:
+        if server.pid is not None and not server.is_running():
+            raise StackDied(f"edge tritonserver {server.spec.name} exited; see its log in {edge.log_dir}")
 
 
 def loaded_models(stack: Any) -> dict[str, list[str]]:

@@ -559,6 +559,7 @@ def test_a_stage_behind_a_tls_gateway_verifies_its_certificate_and_sends_its_key
                     "ca_file '/nonexistent/ca.pem' does not exist",
                 ),
                 ({"tls": True, "ca_file": __file__}, "holds no PEM certificate"),
+                ({"http": "https://h:1", "tls": False}, "an https:// address is a TLS link"),
             )
         ),
     ],
@@ -572,6 +573,39 @@ def test_a_cascade_config_that_cannot_work_is_refused_naming_the_field(stages, m
             None, home_region="near", regions=regions, cascades=[{"name": "c", "stages": stages}]
         )
     assert message in str(exc.value)
+
+
+def test_an_https_address_is_read_as_a_tls_link() -> None:
+    from gateway.config import RemoteGatewayConfig
+
+    link = RemoteGatewayConfig(http="https://cloud.example:443", grpc="https://cloud.example:8443")
+    assert (link.http, link.grpc, link.tls) == ("cloud.example:443", "cloud.example:8443", True)
+
+
+def test_an_edge_tier_refuses_gateway_cloud_to_a_stack_that_needs_a_key(tmp_path: Path) -> None:
+    """`gateway: cloud` is a plain, keyless loopback link: a stack gateway with keys would refuse
+    every escalation, so the stack file is refused at load, naming the setting."""
+    from skewserve.stack import StackConfigError, load_stack_config
+
+    stages = [
+        {"name": "edge", "model": "e", "rule": "r.json"},
+        {"name": "cloud", "model": "c", "gateway": "cloud"},
+    ]
+    cfg = tmp_path / "stack.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "repository": str(tmp_path),
+                "regions": {"r": 1},
+                "gateway": {"auth": {"keys": [{"name": "k", "sha256": "a" * 64}]}},
+                "edge": {"gateway": {"cascades": [{"name": "d", "stages": stages}]}},
+            }
+        )
+    )
+    with pytest.raises(
+        StackConfigError, match=r"`gateway: cloud` reaches the stack's gateway in clear.*auth\.keys"
+    ):
+        load_stack_config(cfg)
 
 
 def test_a_gateway_with_a_broken_rule_file_does_not_start(tmp_path: Path) -> None:

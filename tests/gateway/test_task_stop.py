@@ -49,6 +49,27 @@ def test_every_task_of_a_group_stops() -> None:
     assert asyncio.run(_cancel_as_answer_arrives(stop_group))
 
 
+def test_a_cancelled_task_finishes_its_cleanup_before_any_second_cancel() -> None:
+    """The re-cancel is for a task that ignored the first, not one still closing what it holds."""
+
+    async def run() -> list[str]:
+        steps: list[str] = []
+
+        async def holds_a_server() -> None:
+            try:
+                await asyncio.sleep(60)
+            finally:
+                await asyncio.sleep(0.3)  # closing its connections
+                steps.append("closed")
+
+        task = asyncio.get_running_loop().create_task(holds_a_server())
+        await asyncio.sleep(0)
+        await cancel_and_wait(task)
+        return steps
+
+    assert asyncio.run(run()) == ["closed"]
+
+
 def test_a_finished_or_missing_task_is_a_no_op() -> None:
     async def run() -> None:
         await cancel_and_wait(None)
