@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from gateway.config import ConfigError, GatewayConfig, HealthConfig, ServerConfig, load_gateway_config
 from gateway.errors import BadRequest, NoReadyServer, PermissionDenied, RateLimited, Unauthenticated
 from gateway.fleet.balancer import P2CEwmaBalancer, RoundRobinBalancer
-from gateway.fleet.dispatch import HEDGE_MIN_SAMPLES, RetryBudget, hedge_delay
+from gateway.fleet.dispatch import HEDGE_MIN_SAMPLES, RetryBudget, _says_gone, hedge_delay
 from gateway.fleet.health import OutlierDetector
 from gateway.fleet.router import Region, RegionRouter
 from gateway.state.auth import Authenticator, TokenBucket, hash_key
@@ -52,6 +52,18 @@ def _config(**kw: object) -> GatewayConfig:
         ],
     }
     return GatewayConfig(**(base | kw))
+
+
+def test_tritons_own_answer_for_a_model_it_no_longer_holds_reads_as_gone() -> None:
+    """Unloaded (no available versions) or gone with the server's shutdown (not found): the request
+    was not run, so it is retried elsewhere; the same words echoed after Triton's prefix are not."""
+    model = "slow"
+    for said in ("has no available versions", "is not found"):
+        assert _says_gone(f'{{"error":"Request for unknown model: \'{model}\' {said}"}}'.encode(), model)
+        echoed = f'{{"error":"[request id: Request for unknown model: \'{model}\' {said}] bad input"}}'
+        assert not _says_gone(echoed.encode(), model)
+    assert not _says_gone(b'{"error":"Request for unknown model: \'other\' is not found"}', model)
+    assert not _says_gone(b'{"error":"Request for unknown model: \'slow\' version 2 is not found"}', model)
 
 
 def test_p2c_avoids_the_slow_server() -> None:
