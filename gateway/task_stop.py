@@ -28,19 +28,19 @@ async def cancel_and_wait(task: asyncio.Future[Any] | None) -> None:
         return
     loop = asyncio.get_running_loop()
     give_up = loop.time() + GIVE_UP_S
+    name = task.get_name() if isinstance(task, asyncio.Task) else repr(task)
     task.cancel()
     while not task.done():
         await asyncio.wait({task}, timeout=min(CLEANUP_S, max(0.0, give_up - loop.time())))
         if task.done():
             break
-        name = task.get_name() if isinstance(task, asyncio.Task) else repr(task)
         if loop.time() >= give_up:
             logger.warning("task %s still running %.0fs after it was cancelled; left behind", name, GIVE_UP_S)
             return
         logger.warning("task %s ignored its cancellation for %.0fs; cancelling it again", name, CLEANUP_S)
         task.cancel()
     if not task.cancelled() and task.exception() is not None:
-        logger.warning("task %s ended with an error while stopping: %r", task, task.exception())
+        logger.warning("task %s ended with an error while stopping: %r", name, task.exception())
 
 
 async def cancel_all_and_wait(tasks: list[asyncio.Task[Any]]) -> None:

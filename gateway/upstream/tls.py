@@ -24,12 +24,9 @@ class UpstreamTls:
 
 
 def upstream_tls(ca_file: str | None, server_name: str | None) -> UpstreamTls:
-    """Read the CA bundle once (at config load, off the request path). Raises ValueError naming the
-    file when it holds no certificate."""
+    """Read the CA bundle once, at start-up (off the request path); the config's validation already
+    refused a file that holds no certificate (gateway/config.py, RemoteGatewayConfig)."""
     roots = Path(ca_file).read_bytes() if ca_file is not None else None
-    try:
-        context = ssl.create_default_context(cadata=roots.decode() if roots is not None else None)
-    except (ssl.SSLError, UnicodeDecodeError, ValueError) as exc:
-        raise ValueError(f"ca_file {ca_file!r} holds no PEM certificate: {exc}") from exc
+    context = ssl.create_default_context(cadata=roots.decode() if roots is not None else None)
     context.set_alpn_protocols(["http/1.1"])
     return UpstreamTls(context, grpc.ssl_channel_credentials(root_certificates=roots), server_name)
