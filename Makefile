@@ -22,10 +22,21 @@ PYTEST_ARGS ?=
 # Triton fleet in one worker); most tests wait on the processes they start rather than on the CPU.
 TEST_WORKERS ?= 3
 LOCK_ARGS ?=
+# The gateway's request path compiled with mypyc (gateway/compiled_build.py, docs/gateway.md#compiled-build):
+# `compiled` (default) builds it in place; `pure` skips the build, and `make test GATEWAY_BUILD=pure`
+# runs the suite on the Python sources even where the extension modules exist.
+GATEWAY_BUILD ?= compiled
+COMPILED_SOURCES := $(shell grep -oE '"gateway/[a-z_/]+\.py"' gateway/compiled_build.py | tr -d '"')
+COMPILED_MANIFEST := gateway/compiled.json
 
 .PHONY: setup demo test test-latest lock lock-upgrade lint bench-training bench-gateway bench-placement bench-cascade chaos clean
 
-setup: $(STAMP) $(APT_STAMP)
+setup: $(STAMP) $(APT_STAMP) $(if $(filter compiled,$(GATEWAY_BUILD)),$(COMPILED_MANIFEST))
+
+# Rebuilt when a compiled source, the module list or the lock changes (the gateway also checks each
+# source's hash at start-up and runs the sources if one changed since: a stale build never runs).
+$(COMPILED_MANIFEST): $(COMPILED_SOURCES) gateway/compiled_build.py scripts/compile_gateway.py $(STAMP) $(APT_STAMP)
+	$(BIN)/python scripts/compile_gateway.py
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,7 +58,8 @@ $(STAMP): $(LOCK) pyproject.toml | $(BIN)/python
 
 # Debian packages the tests use for real: redis-server (shared cache), promtool (rules checks) and
 # docker-compose (its `config` validates deploy/compose.yaml against the Compose schema; no engine runs),
-# wrk and h2load (nghttp2-client): the C load generators of `make bench-gateway`.
+# wrk and h2load (nghttp2-client): the C load generators of `make bench-gateway`; gcc compiles the
+# gateway's request path (mypyc's C output).
 $(APT_STAMP): Makefile | $(BIN)/python
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
@@ -55,6 +67,7 @@ $(APT_STAMP): Makefile | $(BIN)/python
 	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
 	command -v wrk >/dev/null || missing="$$missing wrk"; \
 	command -v h2load >/dev/null || missing="$$missing nghttp2-client"; \
+	command -v gcc >/dev/null || missing="$$missing gcc"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing Debian packages:$$missing"; \
@@ -72,7 +85,7 @@ demo: setup
 	$(BIN)/skewserve demo
 
 test: setup
-	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=10 $(PYTEST_ARGS)
+	SKEWSERVE_GATEWAY_BUILD=$(GATEWAY_BUILD) $(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=10 $(PYTEST_ARGS)
 
 # The suite against the newest versions pyproject.toml allows (torch stays the CPU build), in a fresh
 # venv of its own, so drift shows up here before a fresh install meets it. The lock check is the one
@@ -135,7 +148,8 @@ chaos: setup
 	$(BIN)/python benchmarks/chaos.py --minutes $(MINUTES) --seed $(SEED)
 
 clean:
-	rm -rf $(VENV) $(VENV_LATEST) $(TOOLS) runs demo-output .pytest_cache
+	rm -rf $(VENV) $(VENV_LATEST) $(TOOLS) runs demo-output .pytest_cache build/mypyc $(COMPILED_MANIFEST)
+	find gateway -name '*.so' -delete
 
 # What only a CUDA GPU can show (scripts/gpu_check.py, under 8 minutes on one GPU): CUDA training in bf16
 # and fp16, TensorRT FP32/FP16 plans with parity, TorchScript and the ONNX Runtime CUDA provider, and the

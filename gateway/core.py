@@ -495,7 +495,7 @@ class Gateway:
             "region_order": [r.name for r in self.router.region_order()],
             "skew_index": {r.name: round(r.skew_index(), 3) for r in self.router.regions.values()},
             "cache_bytes": self.cache.size_bytes() if self.cache is not None else 0,
-            "cache": None if self.cache is None else vars(self.cache.stats),
+            "cache": None if self.cache is None else self.cache.stats.as_dict(),
             "redis": None
             if self.redis is None
             else {

@@ -221,13 +221,13 @@ class Dispatcher:
                 server.latency.observe(now - started, now)  # a timeout is evidence of slowness too
                 self.detector.failure(server, exc.message, now)
             raise
-        except UpstreamRejected as exc:
-            if await _confirmed_gone(exc.message.encode(), model, server, routed):
-                raise _gone(server, model) from exc
+        except UpstreamRejected as rejected:
+            if await _confirmed_gone(rejected.message.encode(), model, server, routed):
+                raise _gone(server, model) from rejected
             # Triton answered: with a server error (gRPC INTERNAL...) it is evidence against the
             # server; a rejection of the client's input says nothing either way.
-            if exc.http_status >= 500:
-                self.detector.failure(server, f"server error: {exc.message}", self.clock())
+            if rejected.http_status >= 500:
+                self.detector.failure(server, f"server error: {rejected.message}", self.clock())
             raise
         except asyncio.CancelledError:
             raise

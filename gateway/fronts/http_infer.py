@@ -54,8 +54,9 @@ _FORWARD = {b"content-type", b"accept-encoding"}
 # A cascade's mark travels in headers too, stored with the answer (gateway/fleet/cascade.py).
 _CASCADE_HEADERS = frozenset(header_name(p).encode() for p in PARAMETERS)
 _RETURN = {b"content-type", HEADER_LENGTH, b"content-encoding", *_CASCADE_HEADERS}
-# Triton answers JSON it cannot read with HTTP 500 and this text: the request's fault, not the server's.
-_TRITON_PARSE_ERROR = b'{"error":"failed to parse the request JSON buffer'
+# Triton answers JSON it cannot read, and tensor data it cannot read as the shape and datatype say
+# (a NaN literal, too many values), with HTTP 500 and these texts: the request's fault, not the server's.
+_TRITON_PARSE_ERRORS = (b'{"error":"failed to parse the request JSON buffer', b'{"error":"Unable to parse \'')
 
 
 def error_body(message: str) -> bytes:
@@ -82,7 +83,7 @@ def parse_infer_path(path: str) -> tuple[str, str] | None:
 def as_client_error(resp: HttpResponse) -> HttpResponse:
     """Triton's answer, with a 500 the request itself caused (JSON Triton could not read) made the
     400 it is, so it is never counted against the server nor retried elsewhere."""
-    if resp.status == 500 and resp.body.startswith(_TRITON_PARSE_ERROR):
+    if resp.status == 500 and resp.body.startswith(_TRITON_PARSE_ERRORS):
         return HttpResponse(400, resp.headers, resp.body)
     return resp
 
@@ -471,9 +472,9 @@ class HttpInferRequest:
             canonical, tensors = parsed.key_material()
         else:
             canonical, tensors = await asyncio.to_thread(parsed.key_material)
-        # "/2": keys over exact `data` text, never equal to the v1 keys over re-serialised values;
-        # "/3": walked headers keyed on their exact text, never equal to a canonical key.
-        version_tag = "3" if parsed.keyed_on_text else "2"
+        # "/3": walked headers keyed on their exact text, never equal to a canonical key; "/4": the
+        # canonical JSON by orjson (an entry stored under "/2", by `json`, is not looked for).
+        version_tag = "3" if parsed.keyed_on_text else "4"
         protocol = ("http-binary/" if parsed.header_length is not None else "http-json/") + version_tag
         return await cache_key_async(protocol, self.call.model, resolved, canonical, tensors, tenant)
 

@@ -20,9 +20,11 @@ from collections import Counter as Tally
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from gateway import compiled_build
 
 OTHER_MODEL = "__other__"
 DEPARTED_SERVER = "__departed__"
@@ -165,6 +167,12 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        Gauge(
+            "skewserve_gateway_build_info",
+            "The build of the request path this process runs: compiled (mypyc) or pure (the Python sources)",
+            ["build"],
+            registry=r,
+        ).labels(compiled_build.active()).set(1)
         self._requests = Counter(
             "skewserve_gateway_requests_total",
             "Requests by model, region, server, protocol and status",

@@ -13,8 +13,7 @@ for the calls that are not counted (metadata, statistics).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 from gateway.errors import Overloaded, Unauthenticated
@@ -108,12 +107,24 @@ def release(gw: Gateway, call: Call) -> None:
     call.slot = None
 
 
-@contextlib.asynccontextmanager
-async def admitted(gw: Gateway, call: Call) -> AsyncIterator[Call]:
+class admitted:  # noqa: N801  (used as `async with admitted(gw, call)`, like a function)
     """A call not counted in the request metrics (metadata, statistics), admitted and holding an
-    in-flight slot for the block."""
-    try:
-        await enter(gw, call, "request")
-        yield call
-    finally:
-        release(gw, call)
+    in-flight slot for the block. A class rather than an async generator: the compiled build
+    (mypyc) has no async generators."""
+
+    def __init__(self, gw: Gateway, call: Call) -> None:
+        self.gw = gw
+        self.call = call
+
+    async def __aenter__(self) -> Call:
+        try:
+            await enter(self.gw, self.call, "request")
+        except BaseException:
+            release(self.gw, self.call)
+            raise
+        return self.call
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        release(self.gw, self.call)

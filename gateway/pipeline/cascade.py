@@ -172,10 +172,10 @@ async def send(gw: Gateway, call: Call, request: Request[A]) -> A:
     )
     try:
         return request.marked(answer, call.mark)
-    except ValueError as exc:  # an answer that is not the protocol's (a stage behind a broken proxy)
+    except ValueError as unreadable:  # an answer that is not the protocol's (a stage behind a broken proxy)
         raise UpstreamError(
-            f"cascade {cascade.name}: stage {stage.name}'s answer cannot be read: {exc}"
-        ) from exc
+            f"cascade {cascade.name}: stage {stage.name}'s answer cannot be read: {unreadable}"
+        ) from unreadable
 
 
 async def _ask(gw: Gateway, call: Call, request: Request[A], stage: Stage) -> tuple[A, Route | None]:

@@ -83,6 +83,16 @@ class CacheStats:
         self.tampered = 0
         self.errors = 0
 
+    def as_dict(self) -> dict[str, int]:
+        # Not `vars(stats)`: compiled (mypyc) instances have no __dict__.
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "tampered": self.tampered,
+            "errors": self.errors,
+        }
+
 
 class ResponseCache(Protocol):
     stats: CacheStats

@@ -224,9 +224,9 @@ class HttpPool:
         timer = loop.call_later(timeout_s, _expire, conn.waiter)
         try:
             resp = await conn.waiter
-        except _Expired as exc:
+        except _Expired as expired:
             conn.close()
-            raise UpstreamTimeout(f"{self.address}: no response within {timeout_s:.3f}s") from exc
+            raise UpstreamTimeout(f"{self.address}: no response within {timeout_s:.3f}s") from expired
         except UpstreamUnavailable:
             conn.close()
             if reused and not conn.got_bytes:

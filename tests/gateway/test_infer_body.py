@@ -315,3 +315,54 @@ def test_the_body_buffer_must_hold_one_request_of_the_largest_size() -> None:
     assert defaults.max_buffered_body_bytes >= 2 * defaults.max_request_bytes
     with pytest.raises(ValueError, match=r"limits.max_buffered_body_bytes \(10\) must be at least"):
         LimitsConfig(max_request_bytes=100, max_buffered_body_bytes=10)
+
+
+# The fast reader (orjson) must read exactly what the exact reader (`json` with hooks) reads, or step
+# aside: texts with duplicate keys whose values are full of colons, escapes, integers past 64 bits.
+colon_names = st.text(st.sampled_from(':"\\ab,{}[]é'), max_size=5)
+
+
+def _duplicated(first: str, second: str, third: str) -> str:
+    """A text whose key `first` comes twice, values full of colons and quotes around it."""
+    a, b, c = json.dumps(first), json.dumps(second), json.dumps(third)
+    return f'{{"inputs":[],{a}:{b},{a}:1,{c}:[{b}]}}'
+
+
+texts = st.one_of(
+    requests.map(lambda r: json.dumps(r, ensure_ascii=False)),
+    requests.map(lambda r: json.dumps(r, ensure_ascii=True, indent=1)),
+    st.tuples(colon_names, colon_names, colon_names).map(lambda t: _duplicated(*t)),
+    st.integers(-(2**70), 2**70).map(lambda n: f'{{"inputs":[],"parameters":{{"timeout":{n}}}}}'),
+    st.floats(allow_nan=False).map(lambda f: f'{{"inputs":[{{"data":[{f!r}]}}]}}'),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(texts)
+def test_the_fast_reader_reads_what_the_exact_reader_reads_or_steps_aside(text: str) -> None:
+    from gateway.fronts.infer_body import _loads_fast, _loads_small
+
+    fast = _loads_fast(text.encode(), text)
+    try:
+        exact = _loads_small(text)
+    except ValueError:
+        assert fast is None, "the exact reader refuses this text: the fast one must step aside"
+        return
+    if fast is not None:
+        assert fast == exact
+        assert json.dumps(fast) == json.dumps(exact), "same types too (an int is not a float)"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a":"x","a":"::"}',  # the kept value has more colons than the dropped one
+        '{"inputs":[],"a":{"b":1,"b":{"c:":":"}}}',
+        '{"inputs":[],"\\u003a":1,"\\u003a":2}',  # an escaped colon
+        '{"inputs":[],"parameters":{"timeout":18446744073709551616}}',  # past uint64: orjson reads a float
+    ],
+)
+def test_texts_the_fast_reader_must_not_take(text: str) -> None:
+    from gateway.fronts.infer_body import _loads_fast
+
+    assert _loads_fast(text.encode(), text) is None

@@ -1,0 +1,158 @@
+"""Which build of the gateway's hot path this process runs: compiled (mypyc) or pure Python.
+
+`make setup` compiles the modules in `COMPILED` with mypyc (scripts/compile_gateway.py): each gets
+an extension module next to its source, which Python's importer prefers to the `.py`, and the build
+writes `gateway/compiled.json` with the hash of every source it compiled. The `.py` files stay the
+reference and the fallback:
+
+- `SKEWSERVE_GATEWAY_BUILD=pure` runs the sources even where the extensions exist (the tests keep
+  that build honest; an operator can switch to it without rebuilding);
+- a compiled module whose source changed since the build would run old code, so when any source
+  differs from its recorded hash the whole build is set aside (compiled modules call each other
+  directly, so it is all or nothing) with a warning naming the module and `make setup`.
+
+`install()` runs once, from `gateway/__init__.py`, before any compiled module can be imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+MANIFEST = PACKAGE_DIR / "compiled.json"
+ENV = "SKEWSERVE_GATEWAY_BUILD"
+BUILDS = ("compiled", "pure")
+
+# The request path of both fronts, measured module by module (benchmarks/gateway_bench.py `steps`,
+# docs/benchmarks.md): the pipeline's steps, the JSON body reader, the HTTP exchange, cache keying,
+# routing and the balancer, the dispatcher's retry/hedge bookkeeping, admission's limits and keys,
+# metrics recording. Interpreted: modules that subclass a library's classes (the uvicorn protocol,
+# grpc.aio servicers), the errors (their subclasses override class attributes, which compiled
+# classes do not allow), FastAPI's routes (it reads their signatures), the JSON reader (a large
+# header's walk runs in a worker thread and gives the event loop the GIL at the interpreter's switch
+# interval, which compiled code never does; its small headers are read by orjson, in C already),
+# and what only runs at start-up.
+COMPILED: tuple[str, ...] = (
+    "gateway/forward_headers.py",
+    "gateway/fronts/http_infer.py",
+    "gateway/fleet/balancer.py",
+    "gateway/fleet/dispatch.py",
+    "gateway/fleet/router.py",
+    "gateway/operations/metrics.py",
+    "gateway/operations/step_costs.py",
+    "gateway/pipeline/admission.py",
+    "gateway/pipeline/answer_classes.py",
+    "gateway/pipeline/cache_alias.py",
+    "gateway/pipeline/cached.py",
+    "gateway/pipeline/call.py",
+    "gateway/pipeline/canary.py",
+    "gateway/pipeline/cascade.py",
+    "gateway/pipeline/forward.py",
+    "gateway/pipeline/record.py",
+    "gateway/pipeline/run.py",
+    "gateway/state/auth.py",
+    "gateway/state/body_budget.py",
+    "gateway/state/cache.py",
+    "gateway/state/coalesce.py",
+    "gateway/state/limits.py",
+    "gateway/upstream/http_client.py",
+    "gateway/upstream/server.py",
+)
+
+
+def module_name(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".")
+
+
+def source_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def stale_sources(manifest: dict[str, str], root: Path) -> list[str]:
+    """The compiled modules whose source no longer matches the hash recorded at build time."""
+    stale = []
+    for path, digest in sorted(manifest.items()):
+        source = root / path
+        if not source.is_file() or source_hash(source) != digest:
+            stale.append(path)
+    return stale
+
+
+def read_manifest(path: Path = MANIFEST) -> dict[str, str] | None:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        logger.warning(
+            "ignoring the compiled gateway build: %s is unreadable (%s); run `make setup`", path, exc
+        )
+        return None
+    sources = data.get("sources") if isinstance(data, dict) else None
+    if not isinstance(sources, dict):
+        logger.warning("ignoring the compiled gateway build: %s has no 'sources'; run `make setup`", path)
+        return None
+    return {str(k): str(v) for k, v in sources.items()}
+
+
+class _SourceOnly(importlib.abc.MetaPathFinder):
+    """Finds the compiled modules' `.py` files, ahead of the extension modules beside them."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.names or not path:
+            return None
+        loader = (importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES)
+        for entry in path:
+            spec = importlib.machinery.FileFinder(entry, loader).find_spec(fullname)
+            if spec is not None:
+                return spec
+        return None
+
+
+_active = "pure"
+
+
+def active() -> str:
+    """`compiled` or `pure`: the build this process runs (set by `install`)."""
+    return _active
+
+
+def install() -> str:
+    """Choose the build for this process (see the module docstring); returns the choice."""
+    global _active
+    wanted = os.environ.get(ENV, "compiled").strip().lower() or "compiled"
+    if wanted not in BUILDS:
+        raise SystemExit(f"{ENV}={wanted!r} is not a build; use one of {', '.join(BUILDS)}")
+    manifest = read_manifest()
+    use = wanted == "compiled" and manifest is not None
+    if use and manifest is not None:
+        stale = stale_sources(manifest, PACKAGE_DIR.parent)
+        if stale:
+            logger.warning(
+                "the compiled gateway build is older than its sources (%s changed): running the pure "
+                "Python build; run `make setup` to compile again",
+                ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else ""),
+            )
+            use = False
+    if not use:
+        names = {module_name(p) for p in (manifest or {})} | {module_name(p) for p in COMPILED}
+        if not any(isinstance(f, _SourceOnly) for f in sys.meta_path):
+            sys.meta_path.insert(0, _SourceOnly(names))
+    _active = "compiled" if use else "pure"
+    return _active
