@@ -2,14 +2,16 @@
 
 `make setup` compiles the modules in `COMPILED` with mypyc (scripts/compile_gateway.py): each gets
 an extension module next to its source, which Python's importer prefers to the `.py`, and the build
-writes `gateway/compiled.json` with the hash of every source it compiled. The `.py` files stay the
+writes `gateway/compiled.json` with the hash of every gateway source as it was compiled (the
+interpreted ones too: compiled code checks the types it saw in them). The `.py` files stay the
 reference and the fallback:
 
 - `SKEWSERVE_GATEWAY_BUILD=pure` runs the sources even where the extensions exist (the tests keep
   that build honest; an operator can switch to it without rebuilding);
-- a compiled module whose source changed since the build would run old code, so when any source
-  differs from its recorded hash the whole build is set aside (compiled modules call each other
-  directly, so it is all or nothing) with a warning naming the module and `make setup`.
+- a build that no longer matches would run old code or mix two builds, so when any source differs
+  from its recorded hash, or an extension module is missing, the whole build is set aside
+  (compiled modules call each other directly: all or nothing) with a warning naming the file and
+  `make setup`.
 
 `install()` runs once, from `gateway/__init__.py`, before any compiled module can be imported.
 """
@@ -23,6 +25,7 @@ import json
 import logging
 import os
 import sys
+import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -71,6 +74,11 @@ COMPILED: tuple[str, ...] = (
 )
 
 
+EXT_SUFFIX = str(sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+# The runtime every compiled module shares (mypyc's group library).
+GROUP_LIBRARY = "gateway/compiled__mypyc"
+
+
 def module_name(path: str) -> str:
     return path.removesuffix(".py").replace("/", ".")
 
@@ -79,14 +87,38 @@ def source_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def gateway_sources(root: Path) -> dict[str, str]:
+    """Every gateway source, relative to `root`, with its hash: what a build is recorded against."""
+    return {
+        path.relative_to(root).as_posix(): source_hash(path)
+        for path in sorted((root / "gateway").rglob("*.py"))
+        if "__pycache__" not in path.parts
+    }
+
+
 def stale_sources(manifest: dict[str, str], root: Path) -> list[str]:
-    """The compiled modules whose source no longer matches the hash recorded at build time."""
+    """The sources that no longer match the hash recorded at build time (or are gone)."""
     stale = []
     for path, digest in sorted(manifest.items()):
         source = root / path
         if not source.is_file() or source_hash(source) != digest:
             stale.append(path)
     return stale
+
+
+def missing_extensions(root: Path) -> list[str]:
+    """The extension modules of the compiled build that are not on disk (for this Python)."""
+    wanted = [GROUP_LIBRARY, *(p.removesuffix(".py") for p in COMPILED)]
+    return [f"{p}{EXT_SUFFIX}" for p in wanted if not (root / f"{p}{EXT_SUFFIX}").is_file()]
+
+
+def build_problems(manifest: dict[str, str] | None, root: Path) -> list[str]:
+    """Why the compiled build must not run (empty: it matches its sources and is complete)."""
+    if manifest is None:
+        return ["no compiled build (gateway/compiled.json)"]
+    return [f"{p} changed" for p in stale_sources(manifest, root)] + [
+        f"{p} is missing" for p in missing_extensions(root)
+    ]
 
 
 def read_manifest(path: Path = MANIFEST) -> dict[str, str] | None:
@@ -107,15 +139,13 @@ def read_manifest(path: Path = MANIFEST) -> dict[str, str] | None:
 
 
 class _SourceOnly(importlib.abc.MetaPathFinder):
-    """Finds the compiled modules' `.py` files, ahead of the extension modules beside them."""
-
-    def __init__(self, names: set[str]) -> None:
-        self.names = names
+    """Finds every gateway module's `.py` file, ahead of any extension module beside it (those of
+    today's list, and those an older build with a longer list left behind)."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in self.names or not path:
+        if not fullname.startswith("gateway.") or not path:
             return None
         loader = (importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES)
         for entry in path:
@@ -141,18 +171,16 @@ def install() -> str:
         raise SystemExit(f"{ENV}={wanted!r} is not a build; use one of {', '.join(BUILDS)}")
     manifest = read_manifest()
     use = wanted == "compiled" and manifest is not None
-    if use and manifest is not None:
-        stale = stale_sources(manifest, PACKAGE_DIR.parent)
-        if stale:
+    if use:
+        problems = build_problems(manifest, PACKAGE_DIR.parent)
+        if problems:
             logger.warning(
-                "the compiled gateway build is older than its sources (%s changed): running the pure "
-                "Python build; run `make setup` to compile again",
-                ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else ""),
+                "the compiled gateway build does not match its sources (%s): running the pure Python "
+                "build; run `make setup` to compile again",
+                ", ".join(problems[:5]) + (f" and {len(problems) - 5} more" if len(problems) > 5 else ""),
             )
             use = False
-    if not use:
-        names = {module_name(p) for p in (manifest or {})} | {module_name(p) for p in COMPILED}
-        if not any(isinstance(f, _SourceOnly) for f in sys.meta_path):
-            sys.meta_path.insert(0, _SourceOnly(names))
+    if not use and not any(isinstance(f, _SourceOnly) for f in sys.meta_path):
+        sys.meta_path.insert(0, _SourceOnly())
     _active = "compiled" if use else "pure"
     return _active

@@ -1,11 +1,13 @@
 """Compile the gateway's hot path with mypyc (`make setup` runs this; see gateway/compiled_build.py).
 
 Each module in `COMPILED` becomes an extension module beside its source, sharing one runtime library
-(`gateway/compiled__mypyc*.so`); `gateway/compiled.json` records the hash of every compiled source,
-written last, so an interrupted build is never taken for a complete one.
+(`gateway/compiled__mypyc*.so`); `gateway/compiled.json` records the hash of every gateway source as
+read before the compile (a file saved during it makes the build stale, never falsely current), and
+is written last, so an interrupted build is never taken for a complete one.
 
-    python scripts/compile_gateway.py           # build (or rebuild) in place
-    python scripts/compile_gateway.py --clean   # remove the extension modules and the manifest
+    python scripts/compile_gateway.py             # build (or rebuild) in place
+    python scripts/compile_gateway.py --if-stale  # build unless the build matches every source (make setup)
+    python scripts/compile_gateway.py --clean     # remove the extension modules and the manifest
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def build(jobs: int) -> None:
     from mypyc.build import mypycify
     from setuptools import setup
 
-    from gateway.compiled_build import COMPILED, MANIFEST, source_hash
+    from gateway.compiled_build import COMPILED, MANIFEST, gateway_sources
 
     headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
     if not headers.exists():
@@ -47,6 +49,7 @@ def build(jobs: int) -> None:
             f"error: {headers} is missing, so the gateway cannot be compiled: install this Python's headers "
             "(Debian: apt-get install python3-dev), or run the sources with `make setup GATEWAY_BUILD=pure`"
         )
+    sources = gateway_sources(ROOT)
     clean()
     os.chdir(ROOT)
     modules = mypycify(
@@ -63,8 +66,8 @@ def build(jobs: int) -> None:
             f"--parallel={jobs}",
         ],
     )
-    sources = {path: source_hash(ROOT / path) for path in COMPILED}
-    MANIFEST.write_text(json.dumps({"tool": "mypyc", "sources": sources}, indent=1, sort_keys=True) + "\n")
+    manifest = {"tool": "mypyc", "compiled": list(COMPILED), "sources": sources}
+    MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     print(f"compiled {len(COMPILED)} gateway modules ({len(extensions())} extension modules)")
 
 
@@ -73,6 +76,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--clean", action="store_true", help="remove the compiled build")
+    parser.add_argument(
+        "--if-stale", action="store_true", help="build only when the build does not match the sources"
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel C compiles")
     args = parser.parse_args()
     # The pure sources are what mypyc reads; importing gateway.compiled_build must not load extensions.
@@ -80,8 +86,16 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     if args.clean:
         clean()
-    else:
-        build(args.jobs)
+        return
+    if args.if_stale:
+        from gateway.compiled_build import build_problems, read_manifest
+
+        problems = build_problems(read_manifest(), ROOT)
+        if not problems:
+            print("the compiled gateway build matches its sources")
+            return
+        print("compiling the gateway:", "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else ""))
+    build(args.jobs)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ _FORWARD = {b"content-type", b"accept-encoding"}
 _CASCADE_HEADERS = frozenset(header_name(p).encode() for p in PARAMETERS)
 _RETURN = {b"content-type", HEADER_LENGTH, b"content-encoding", *_CASCADE_HEADERS}
 # Triton answers JSON it cannot read, and tensor data it cannot read as the shape and datatype say
-# (a NaN literal, too many values), with HTTP 500 and these texts: the request's fault, not the server's.
+# (more values than the shape holds), with HTTP 500 and these texts: the request's fault, not the server's.
 _TRITON_PARSE_ERRORS = (b'{"error":"failed to parse the request JSON buffer', b'{"error":"Unable to parse \'')
 
 

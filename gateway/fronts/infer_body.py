@@ -197,13 +197,16 @@ class _Walker:
         if c == "{" or c == "[":
             if role == _OTHER and self.small:
                 try:
-                    return _scan_small(s, i)  # type: ignore[no-any-return]
+                    scanned, end = _scan_small(s, i)
                 except _Duplicate as dup:
                     raise _duplicate(dup.key, path) from None
                 except RecursionError:
                     raise BadRequest(f"the request JSON nests too deeply at {_where(path)}") from None
                 except (StopIteration, ValueError) as bad:
                     raise self.fail(f"invalid value for {_where(path)} ({bad})", i) from None
+                # Deeper than the limit: walked below, which counts the levels and names the place.
+                if not _may_nest_deeper_than(s[i:end], MAX_DEPTH - len(path)):
+                    return scanned, end
             if c == "{":
                 return self.obj(i, path, role)
             return self.arr(i, path, role)
@@ -529,9 +532,7 @@ def _may_nest_deeper_than(text: str, limit: int) -> bool:
 # What Python's JSON reader accepts and Triton's (RapidJSON) refuses, with HTTP 500 that would count
 # against a healthy server: a high surrogate escape without its low one, and numbers beyond a double.
 # An escape counts only after an even run of backslashes ("\\ud800" is text, not an escape).
-_SURROGATE_ESCAPE = re.compile(
-    r"(?<!\\)(?:\\\\)*\\u([dD][89a-fA-F][0-9a-fA-F]{2})(?:\\u([dD][89a-fA-F][0-9a-fA-F]{2}))?"
-)
+_SURROGATE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u([dD][89a-fA-F][0-9a-fA-F]{2})")
 # A cheap over-estimate of fractions that may not fit a double: an exponent of 3+ digits, or 309+ digits.
 _MAY_OVERFLOW = re.compile(r"[eE][+]?0*[1-9][0-9]{2}|[0-9]{309}")
 
@@ -573,9 +574,10 @@ def _loads_fast(raw: bytes, text: str) -> dict[str, Any] | None:
         return None
     try:
         header = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(header, dict) or orjson.dumps(header).count(b":") != text.count(":"):
+        # orjson reads 1024 levels and writes 254: deeper headers go to the exact reader's refusal.
+        if not isinstance(header, dict) or orjson.dumps(header).count(b":") != text.count(":"):
+            return None
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
         return None
     return header
 
@@ -586,7 +588,8 @@ def canonical_json(value: Any, sort_keys: bool = False) -> bytes:
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS if sort_keys else 0)
     except orjson.JSONEncodeError:
-        return json.dumps(value, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=False).encode()
+        # ASCII escapes: orjson refuses what may be in it, a lone surrogate escape Triton passes on.
+        return json.dumps(value, sort_keys=sort_keys, separators=(",", ":")).encode()
 
 
 def _overflow(exc: _Overflow) -> BadRequest:
@@ -604,14 +607,23 @@ def check_triton_json(text: str, numbers: bool = True) -> None:
     """BadRequest for JSON Triton refuses but Python reads: a lone high surrogate escape, or (with
     `numbers`) a number beyond a double (Python reads 1e999 as inf and would forward it as "Infinity")."""
     if "\\u" in text:
+        # RapidJSON refuses a high surrogate escape not followed at once by a low one; a lone low
+        # one it passes on (so "\\udc00\\ud800" still has an unpaired high one).
+        high: re.Match[str] | None = None
         for m in _SURROGATE_ESCAPE.finditer(text):
-            # RapidJSON refuses a high surrogate without its low one; a lone low one it passes on.
-            first, second = int(m.group(1), 16), m.group(2)
-            if first < 0xDC00 and (second is None or not 0xDC00 <= int(second, 16) <= 0xDFFF):
-                raise BadRequest(
-                    f"the request JSON has an unpaired surrogate escape \\u{m.group(1)} at character "
-                    f"{m.start(1) - 2}; send UTF-8 text or a surrogate pair (Triton refuses it)"
-                )
+            at = m.start(1) - 2
+            if high is not None:
+                if int(m.group(1), 16) >= 0xDC00 and at == high.end():
+                    high = None
+                    continue
+                break
+            if int(m.group(1), 16) < 0xDC00:
+                high = m
+        if high is not None:
+            raise BadRequest(
+                f"the request JSON has an unpaired surrogate escape \\u{high.group(1)} at character "
+                f"{high.start(1) - 2}; send UTF-8 text or a surrogate pair (Triton refuses it)"
+            )
     if numbers and _MAY_OVERFLOW.search(text):
         try:
             _numbers_only(text)

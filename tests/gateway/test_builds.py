@@ -76,12 +76,33 @@ def test_a_source_changed_since_the_build_is_found(tmp_path: Path) -> None:
     assert compiled_build.stale_sources(manifest, tmp_path) == ["gateway/changed.py", "gateway/removed.py"]
 
 
-def test_the_manifest_names_every_compiled_module() -> None:
+def test_the_build_is_recorded_against_every_gateway_source() -> None:
+    """Interpreted sources too: compiled code checks the types it saw in them (an `int` constant
+    made a float in an interpreted module once ran a compiled build into TypeError)."""
     manifest = compiled_build.read_manifest()
     if _wanted() == "pure" and manifest is None:
         return  # GATEWAY_BUILD=pure built nothing
     assert manifest is not None, "no gateway/compiled.json: run `make setup`"
-    assert sorted(manifest) == sorted(compiled_build.COMPILED)
+    assert sorted(manifest) == sorted(compiled_build.gateway_sources(ROOT))
+    assert (
+        "gateway/fronts/infer_body.py" in manifest
+        and "gateway/fronts/infer_body.py" not in compiled_build.COMPILED
+    )
+    assert compiled_build.build_problems(manifest, ROOT) == []
+
+
+def test_a_missing_extension_module_sets_the_build_aside(tmp_path: Path) -> None:
+    """One extension gone would mix two builds (a compiled class and its interpreted twin)."""
+    (tmp_path / "gateway" / "pipeline").mkdir(parents=True)
+    for path in (compiled_build.GROUP_LIBRARY, *(p.removesuffix(".py") for p in compiled_build.COMPILED)):
+        (tmp_path / f"{path}{compiled_build.EXT_SUFFIX}").parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f"{path}{compiled_build.EXT_SUFFIX}").touch()
+    assert compiled_build.build_problems({}, tmp_path) == []
+    (tmp_path / f"gateway/pipeline/run{compiled_build.EXT_SUFFIX}").unlink()
+    assert compiled_build.build_problems({}, tmp_path) == [
+        f"gateway/pipeline/run{compiled_build.EXT_SUFFIX} is missing"
+    ]
+    assert compiled_build.build_problems(None, tmp_path) == ["no compiled build (gateway/compiled.json)"]
 
 
 def test_compiled_modules_give_each_caught_exception_type_its_own_name() -> None:

@@ -366,3 +366,44 @@ def test_texts_the_fast_reader_must_not_take(text: str) -> None:
     from gateway.fronts.infer_body import _loads_fast
 
     assert _loads_fast(text.encode(), text) is None
+
+
+@pytest.mark.parametrize("levels", [33, 253, 254, 300, 1023, 1024])
+@pytest.mark.parametrize("where", ["parameters", "data", "top"])
+def test_nesting_past_the_limit_is_a_400_at_every_depth(levels: int, where: str) -> None:
+    """orjson reads 1024 levels and writes 254 (a depth between once escaped as a 500)."""
+    nested = "[" * levels + "]" * levels
+    body = {
+        "parameters": '{"inputs":[],"parameters":{"p":%s}}',
+        "data": '{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":%s}]}',
+        "top": '{"inputs":[],"extra":%s}',
+    }[where].replace("%s", nested)
+    with pytest.raises(BadRequest, match="nests (deeper than 32 levels|too deeply)"):
+        parse_infer_body(body.encode(), None)
+
+
+def test_a_lone_low_surrogate_escape_is_keyed_and_forwarded() -> None:
+    """Triton passes a lone low surrogate on; orjson cannot write one, the exact writer escapes it."""
+    parsed = parse_infer_body(b'{"inputs":[],"x":"\\udc00","parameters":{"a":1}}', None)
+    assert b'"\\udc00"' in parsed.key_material()[0]
+    assert b'"\\udc00"' in parsed.with_timeout(1.0, canonical=True)[0]
+    assert b'"timeout":1000000' in parsed.with_timeout(1.0)[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "unpaired"),
+    [
+        ('"\\ud800"', "ud800"),
+        ('"\\udc00\\ud800"', "ud800"),  # a lone low one, then a high one without its low one
+        ('"\\ud800\\\\ud800"', "ud800"),  # the second is text (an escaped backslash), not an escape
+        ('"\\ud800\\udc00\\udbff"', "udbff"),
+    ],
+)
+def test_an_unpaired_high_surrogate_escape_is_refused_wherever_it_stands(text: str, unpaired: str) -> None:
+    with pytest.raises(BadRequest, match=f"unpaired surrogate escape \\\\{unpaired}"):
+        parse_infer_body(('{"inputs":[],"x":' + text + "}").encode(), None)
+
+
+@pytest.mark.parametrize("text", ['"\\udc00"', '"\\ud800\\udc00"', '"\\udc00\\udc00"', '"\\\\ud800"'])
+def test_paired_and_lone_low_surrogate_escapes_pass(text: str) -> None:
+    parse_infer_body(('{"inputs":[],"x":' + text + "}").encode(), None)
