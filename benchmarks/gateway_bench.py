@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -49,6 +51,7 @@ import grpc  # noqa: E402
 import grpc.aio  # noqa: E402
 from tritonclient.grpc import service_pb2  # noqa: E402
 
+from benchmarks import http_protocol_bench  # noqa: E402
 from benchmarks.loadgen import (  # noqa: E402
     H2loadResult,
     TreeCpu,
@@ -71,7 +74,7 @@ from training.synth import SynthSpec, write  # noqa: E402
 
 N_FEATURES = 16
 ROW = np.random.default_rng(0).standard_normal((1, N_FEATURES)).astype(np.float32)
-SECTIONS = ("hop", "steps", "hop-py", "cache", "workers", "slow")
+SECTIONS = ("protocol", "hop", "steps", "hop-py", "cache", "workers", "slow")
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
@@ -383,6 +386,14 @@ def section_hop(bench: Bench, gw: Gateway) -> None:
         pure.stop()
     if not plane:
         print("\n(this gateway build has no `listen.grpc_data_plane`: its gRPC row is its only data plane)")
+    else:
+        split = cpu_split_us(bench, gw, "grpc")
+        print(
+            "\ngRPC at c8 through the gateway, CPU per call by process (issue 39 part 3: where the "
+            "calls' time goes): "
+            + ", ".join(f"{name} {us:.0f} µs" for name, us in sorted(split.items(), key=lambda kv: -kv[1]))
+            + f"; HAProxy's h2 pass-through alone: {ha_grpc.cpu_us:.0f} µs."
+        )
     print(
         "\nThe gateway's two builds as ratios to the references above (same run; issue 39's goals). "
         f"HTTP cache hit at c8 (wrk, model `bench_gwcache`): {hit_cpu['compiled']:.0f} µs of CPU per hit "
@@ -411,6 +422,32 @@ def section_hop(bench: Bench, gw: Gateway) -> None:
     for name, value, goal in rows:
         cells = " | ".join(f"{value(*builds[b], hit_cpu[b]):.2f}x" for b in ("compiled", "pure"))
         print(f"| {name} | {cells} | {goal} |", flush=True)
+
+
+def _cpu_by_name(pid: int) -> dict[tuple[int, float], tuple[str, float]]:
+    root = psutil.Process(pid)
+    snap: dict[tuple[int, float], tuple[str, float]] = {}
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            with proc.oneshot():
+                t = proc.cpu_times()
+                snap[(proc.pid, proc.create_time())] = (proc.name(), t.user + t.system)
+        except psutil.NoSuchProcess:
+            continue
+    return snap
+
+
+def cpu_split_us(bench: Bench, gw: Gateway, protocol: str) -> dict[str, float]:
+    """The gateway's CPU per request at concurrency 8, by process name (haproxy, python)."""
+    gw.wait_available()
+    before = _cpu_by_name(gw.proc.pid)
+    result = load(protocol, gw.grpc if protocol == "grpc" else gw.http, "bench", 8, bench.secs)
+    after = _cpu_by_name(gw.proc.pid)
+    split: dict[str, float] = {}
+    for key, (name, cpu) in after.items():
+        label = "HAProxy" if "haproxy" in name else "Python worker(s)"
+        split[label] = split.get(label, 0.0) + (cpu - before.get(key, (name, 0.0))[1]) / result.requests * 1e6
+    return split
 
 
 def cache_hit_cpu_us(bench: Bench, gw: Gateway) -> float:
@@ -682,7 +719,25 @@ def section_slow(bench: Bench) -> None:
         )
 
 
+def section_protocol() -> None:
+    """benchmarks/http_protocol_bench.py: the HTTP protocol's own cost per infer request."""
+    print("\n## The HTTP protocol's own cost per infer request (in-process, no sockets)\n")
+    print(
+        "Each protocol fed the same keep-alive JSON infer request and answering the same bytes, one "
+        "request at a time (benchmarks/http_protocol_bench.py): the parsing callbacks, per-request "
+        "state, timers, task and answer head around the pipeline.\n"
+    )
+    figures = uvloop.run(http_protocol_bench.measure(20000, 5))
+    floor = figures["minimal httptools protocol"]
+    print("| protocol | µs per infer request | / minimal |")
+    print("|---|---:|---:|")
+    for name, us in figures.items():
+        print(f"| {name} | {us:.1f} | {us / floor:.2f}x |", flush=True)
+
+
 def run_sections(bench: Bench, only: set[str]) -> None:
+    if "protocol" in only:
+        section_protocol()
     if "steps" in only:
         section_steps(bench)
     if only & {"hop", "hop-py", "cache"}:

@@ -22,16 +22,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 import httptools
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import (
-    HEADER_VALUE_RE,
-    STATUS_LINE,
-    HttpToolsProtocol,
-    RequestResponseCycle,
-)
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
+from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
 
 from gateway.config import GatewayConfig
 from gateway.fronts.http_infer import parse_infer_path
@@ -81,22 +78,58 @@ class _OneWrite:
         return getattr(self.transport, name)
 
 
-class InferExchange(RequestResponseCycle):
-    """One infer request on the protocol: uvicorn's cycle state (so its flow control, keep-alive,
-    pipelining and disconnect handling apply unchanged), without the ASGI messages."""
+class InferExchange:
+    """One infer request on the protocol: the state uvicorn's request cycle keeps that the protocol
+    reads (so its flow control, keep-alive, pipelining and disconnect handling apply unchanged),
+    without its ASGI scope and messages."""
+
+    __slots__ = (
+        "transport",
+        "flow",
+        "logger",
+        "default_headers",
+        "message_event",
+        "on_response",
+        "disconnected",
+        "keep_alive",
+        "waiting_for_100_continue",
+        "body",
+        "more_body",
+        "response_started",
+        "response_complete",
+        "target",
+        "headers",
+        "client",
+    )
 
     def __init__(
-        self, *args: Any, target: tuple[str, str, bytes, bytes], headers: Any, **kwargs: Any
+        self,
+        protocol: HeaderTimeoutProtocol,
+        keep_alive: bool,
+        target: tuple[str, str, bytes, bytes],
+        headers: list[tuple[bytes, bytes]],
     ) -> None:
-        super().__init__(*args, **kwargs)
+        self.transport: Any = protocol.transport
+        self.flow = protocol.flow
+        self.logger = protocol.logger
+        self.default_headers: list[tuple[bytes, bytes]] = protocol.server_state.default_headers
+        self.message_event = asyncio.Event()
+        self.on_response: Callable[[], None] = protocol.on_response_complete
+        self.disconnected = False
+        self.keep_alive = keep_alive
+        self.waiting_for_100_continue = protocol.expect_100_continue
+        self.body = bytearray()
+        self.more_body = True
+        self.response_started = False
+        self.response_complete = False
         self.target = target  # model, version, raw path, query
         self.headers = headers
+        self.client = protocol.client[0] if protocol.client else ""
 
     async def run_asgi(self, app: Any) -> None:
         """Started by the protocol as it starts an ASGI request (now, or once pipelined ones are done)."""
-        client = self.scope["client"]
         try:
-            await app.infer(self, self.headers, *self.target, client[0] if client else "")
+            await app.infer(self, self.headers, *self.target, self.client)
         except BaseException as exc:
             self.logger.error("exception in the infer path", exc_info=exc)
             if not self.response_started and not self.disconnected:
@@ -172,6 +205,10 @@ class InferExchange(RequestResponseCycle):
         return b"".join(parts)
 
 
+# What a connection's one timer is waiting for.
+_WAIT_NONE, _WAIT_HEADERS, _WAIT_KEEP_ALIVE = 0, 1, 2
+
+
 class HeaderTimeoutProtocol(HttpToolsProtocol):
     # Set per listener by `with_header_timeout`.
     header_timeout_s = 10.0
@@ -181,20 +218,57 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._header_timer: asyncio.TimerHandle | None = None
         self._source: str | None = None  # counted in `sources` while open
+        self.serves_infer = hasattr(self.app, "infer")
+        # One timer per connection bounds both waits (a request's headers, an idle keep-alive):
+        # arming moves a deadline, and the timer, when it fires before it, re-arms for the rest.
+        # uvicorn starts and cancels a timer per request for each wait (~13 µs of a request).
+        self._wait = _WAIT_NONE
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+
+    # -- the connection's timer --------------------------------------------------------------------
+
+    def _arm(self, wait: int, timeout_s: float) -> None:
+        deadline = self.loop.time() + timeout_s
+        self._wait = wait
+        self._deadline = deadline
+        timer = self._timer
+        if timer is None or self._timer_at > deadline:  # a later timer would fire too late
+            if timer is not None:
+                timer.cancel()
+            self._timer = self.loop.call_at(deadline, self._on_timer)
+            self._timer_at = deadline
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        wait = self._wait
+        if wait == _WAIT_NONE or self.transport.is_closing():
+            return
+        if self.loop.time() < self._deadline:
+            self._timer = self.loop.call_at(self._deadline, self._on_timer)
+            self._timer_at = self._deadline
+            return
+        self._wait = _WAIT_NONE
+        if wait == _WAIT_HEADERS:
+            self._headers_too_slow()
+        else:
+            self.timeout_keep_alive_handler()
 
     def _arm_header_timer(self) -> None:
-        if self._header_timer is None:
-            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+        if self._wait != _WAIT_HEADERS:  # from connect, or from a new request's first byte
+            self._arm(_WAIT_HEADERS, self.header_timeout_s)
 
     def _disarm_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+        if self._wait == _WAIT_HEADERS:
+            self._wait = _WAIT_NONE
+
+    def _unset_keepalive_if_required(self) -> None:
+        if self._wait == _WAIT_KEEP_ALIVE:
+            self._wait = _WAIT_NONE
 
     def _headers_too_slow(self) -> None:
-        self._header_timer = None
         if not self.transport.is_closing():
             logger.info(
                 "closing a connection from %s: request headers not complete within %g s "
@@ -203,6 +277,8 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
                 self.header_timeout_s,
             )
             self.transport.close()
+
+    # -- connections -------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -258,7 +334,10 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         return (self.cycle is None or self.cycle.response_complete) and not self.pipeline
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_header_timer()
+        self._wait = _WAIT_NONE
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._source is not None:
             mine = self.sources.get(self._source)
             if mine is not None:
@@ -268,9 +347,21 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             self._source = None
         super().connection_lost(exc)
 
+    # -- requests ----------------------------------------------------------------------------------
+
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        # uvicorn's per-request state without its ASGI scope: an infer request never reads one,
+        # so it is built when the headers say the request goes to the ASGI app.
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
         self._arm_header_timer()  # a keep-alive connection's next request (already armed on connect)
+
+    def _asgi_scope(self) -> None:
+        url, headers, expect = self.url, self.headers, self.expect_100_continue
+        super().on_message_begin()
+        self.url, self.headers, self.expect_100_continue = url, headers, expect
+        self.scope["headers"] = headers
 
     def shutdown(self) -> None:
         # uvicorn closes the socket of a finished response at once: send what this turn wrote first.
@@ -281,15 +372,50 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
-        if self.parser.get_method() == b"POST" and hasattr(self.app, "infer") and self._start_infer():
+        if self.parser.get_method() == b"POST" and self._start_infer():
             return
+        self._asgi_scope()
         super().on_headers_complete()
         if self.cycle is not None:
             self.cycle.transport = _OneWrite(self.transport, self.loop)  # type: ignore[assignment]
 
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if type(cycle) is not InferExchange:
+            super().on_body(body)
+            return
+        if cycle.response_complete:  # answered early (an error): the rest of the body is dropped
+            return
+        cycle.body += body
+        if len(cycle.body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        cycle.message_event.set()
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if type(cycle) is not InferExchange:
+            super().on_message_complete()
+            return
+        if not cycle.response_complete:
+            cycle.more_body = False
+            cycle.message_event.set()
+
+    def on_response_complete(self) -> None:
+        """uvicorn's, with the keep-alive wait on the connection's one timer."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        elif self._wait != _WAIT_HEADERS:  # a next request's headers in progress stay bounded by theirs
+            self._arm(_WAIT_KEEP_ALIVE, self.timeout_keep_alive)
+
     def _start_infer(self) -> bool:
         """Serve an infer request from the protocol (True), or leave it to ASGI (False)."""
-        if self.parser.should_upgrade() and self._should_upgrade():
+        if not self.serves_infer or (self.parser.should_upgrade() and self._should_upgrade()):
             return False
         if self.limit_concurrency is not None and (
             len(self.connections) >= self.limit_concurrency or len(self.tasks) >= self.limit_concurrency
@@ -304,28 +430,19 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         target = parse_infer_path(urllib.parse.unquote(path) if "%" in path else path)
         if target is None:
             return False
-        http_version = self.parser.get_http_version()
         existing = self.cycle
-        self.cycle = InferExchange(
-            scope=self.scope,
-            transport=self.transport,
-            flow=self.flow,
-            logger=self.logger,
-            access_logger=self.access_logger,
-            access_log=self.access_log,
-            default_headers=self.server_state.default_headers,
-            message_event=asyncio.Event(),
-            expect_100_continue=self.expect_100_continue,
-            keep_alive=http_version != "1.0" and self.parser.should_keep_alive(),
-            on_response=self.on_response_complete,
+        cycle = InferExchange(
+            self,
+            keep_alive=self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive(),
             target=(*target, raw_path, parsed.query or b""),
             headers=self.headers,
         )
+        self.cycle = cycle  # type: ignore[assignment]
         if existing is None or existing.response_complete:
-            self._start_asgi_task(self.cycle, self.app)
+            self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]
         else:  # pipelined: started when the one before it has answered
             self.flow.pause_reading()
-            self.pipeline.appendleft((self.cycle, self.app))
+            self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
         return True
 
 

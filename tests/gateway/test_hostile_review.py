@@ -249,6 +249,60 @@ def test_a_connection_with_partial_headers_is_closed(gw) -> None:
     assert _request(gw.http, "GET", "/v2/health/live")[0] == 200
 
 
+
+def _infer_bytes(model: str = "lt_nocache") -> bytes:
+    body = _ok_body(3)
+    return (
+        b"POST /v2/models/%s/infer HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (model.encode(), len(body), body)
+    )
+
+
+def _closed_by_gateway(sock: socket.socket, within_s: float, trickle: bytes = b"") -> bool:
+    """Whether the gateway ends the connection within `within_s` (past its header bound of 1 s,
+    short of its keep-alive bound of 15 s), reading what it sends; with `trickle`, the client
+    sends those bytes every 0.2 s meanwhile, as a slowloris does."""
+    deadline = time.monotonic() + within_s
+    sock.settimeout(0.2)
+    while time.monotonic() < deadline:
+        try:
+            if not sock.recv(65536):
+                return True
+        except TimeoutError:
+            if trickle:
+                try:
+                    sock.sendall(trickle)
+                except OSError:
+                    return True
+        except OSError:
+            return True
+    return False
+
+
+def test_partial_headers_after_an_answer_are_bounded_by_the_header_timeout(gw) -> None:
+    """One timer per connection bounds both the keep-alive wait and a request's headers: a
+    request begun on a kept-alive connection is held to the header bound, not the longer
+    keep-alive one the timer was set for."""
+    host, port = gw.http.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(_infer_bytes())
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        # The client idles past the header bound (within keep-alive's), then starts a request slowly.
+        time.sleep(2.0)
+        sock.sendall(b"POST /v2/models/lt_nocache/infer HTTP/1.1\r\nHost: x\r\n")
+        assert _closed_by_gateway(sock, 10.0), "kept open past limits.header_read_timeout_s"
+
+
+def test_a_pipelined_request_trickling_its_headers_is_closed(gw) -> None:
+    """A request whose headers arrive with the answer to the one before it, then a byte at a time:
+    each byte ends the keep-alive wait, the header bound still closes it."""
+    host, port = gw.http.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(_infer_bytes() + b"POST /v2/models/lt_nocache/infer HTTP/1.1\r\nHost: x\r\n")
+        assert _closed_by_gateway(sock, 10.0, trickle=b"x-a: b\r\n"), "a slowloris held its connection"
+    assert _post(gw.http, _ok_body(4), model="lt_nocache")[0] == 200
+
+
 # -- 7: metadata, config and stats are admitted ----------------------------------------------------
 def test_metadata_config_and_stats_go_through_admission(one_triton, make_gateway) -> None:
     g = make_gateway(
