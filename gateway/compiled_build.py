@@ -48,6 +48,7 @@ BUILDS = ("compiled", "pure")
 # and what only runs at start-up.
 COMPILED: tuple[str, ...] = (
     "gateway/forward_headers.py",
+    "gateway/fronts/connection_timer.py",
     "gateway/fronts/http_infer.py",
     "gateway/fleet/balancer.py",
     "gateway/fleet/dispatch.py",

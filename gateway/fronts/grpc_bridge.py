@@ -25,6 +25,7 @@ import httptools
 
 from gateway.config import LimitsConfig
 from gateway.errors import GatewayError, UnsupportedEncoding, grpc_code_for
+from gateway.fronts.connection_timer import ConnectionTimer
 from gateway.fronts.infer_body import inflate, inflate_cap
 from gateway.state.body_budget import BodyBudget
 from gateway.upstream.haproxy import PEER_HEADER
@@ -35,6 +36,7 @@ Handler = Callable[[bytes, Any], Awaitable[bytes]]
 _PREFIX = 5  # compressed flag + 4-byte big-endian length
 _LINGER_S = 1.0  # a refused request's connection closes once the request is read, or after this
 _OFF_LOOP_BYTES = 64 * 1024  # larger compressed messages are inflated in a worker thread
+_RECEIVING = 1  # the connection timer's one wait: a request still arriving
 # Transport headers, not call metadata (grpc.aio does not show them to handlers either).
 _NOT_METADATA = frozenset(
     {
@@ -218,7 +220,8 @@ class BridgeProtocol(asyncio.Protocol):
         self.refused = False
         self.linger: asyncio.TimerHandle | None = None  # the close of a refused request
         self.headers_done = False
-        self.body_timer: asyncio.TimerHandle | None = None
+        # Bounds each request's reading (limits.body_read_timeout_s), one timer for the connection.
+        self.body_timer = ConnectionTimer(asyncio.get_running_loop(), self._too_slow)
         self.receiving = 0  # this request's bytes counted in server.receiving
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -228,6 +231,7 @@ class BridgeProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
         self._stop_receiving()
+        self.body_timer.close()
         if self.linger is not None:
             self.linger.cancel()
         if self.task is not None and not self.task.done():
@@ -245,7 +249,7 @@ class BridgeProtocol(asyncio.Protocol):
         self.headers_done = False
         # A client that opens a stream and then sends nothing (or a trickle) holds a worker
         # connection: bounded like an HTTP body (limits.body_read_timeout_s).
-        self.body_timer = asyncio.get_running_loop().call_later(self.server.body_timeout_s, self._too_slow)
+        self.body_timer.arm(_RECEIVING, self.server.body_timeout_s)
 
     def on_url(self, url: bytes) -> None:
         self.call.path += url
@@ -319,8 +323,7 @@ class BridgeProtocol(asyncio.Protocol):
             return
         self.task = asyncio.get_running_loop().create_task(self.server.handle(self, call))
 
-    def _too_slow(self) -> None:
-        self.body_timer = None
+    def _too_slow(self, wait: int) -> None:
         self._refuse(
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"the request message was not received within {self.server.body_timeout_s:g}s "
@@ -338,9 +341,7 @@ class BridgeProtocol(asyncio.Protocol):
         self._stop_receiving()
 
     def _stop_receiving(self) -> None:
-        if self.body_timer is not None:
-            self.body_timer.cancel()
-            self.body_timer = None
+        self.body_timer.disarm(_RECEIVING)
         self.server.budget.release(self.call.pre.caller, self.receiving)
         self.receiving = 0
 

@@ -4,7 +4,11 @@ and the infer path served from the protocol itself.
 Infer requests (`POST /v2/models/{m}[/versions/{v}]/infer`) skip ASGI: once their headers are in,
 an `InferExchange` takes uvicorn's place for the request (same flow control, keep-alive and
 pipelining) and hands its bytes straight to the pipeline (gateway/fronts/http_front.py `infer`);
-the answer goes out in one write. Every other request goes to the ASGI app (FastAPI) as before.
+the answer goes out in one write. Every other request goes to the ASGI app (FastAPI) on the same
+connection. The connection owns what uvicorn builds per request: no ASGI scope is built unless the
+request goes to the ASGI app, the exchange keeps only the state the protocol reads, and the header
+and keep-alive bounds share one timer per connection (gateway/fronts/connection_timer.py) instead
+of a timer started and cancelled per request for each (benchmarks/http_protocol_bench.py).
 
 uvicorn times out idle keep-alive connections but not a request whose headers never finish: a
 client that sends half a request line and waits holds its socket (and a file descriptor) forever,
@@ -31,6 +35,7 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
 
 from gateway.config import GatewayConfig
+from gateway.fronts.connection_timer import ConnectionTimer
 from gateway.fronts.http_infer import parse_infer_path
 from gateway.state.limits import client_key
 
@@ -205,8 +210,8 @@ class InferExchange:
         return b"".join(parts)
 
 
-# What a connection's one timer is waiting for.
-_WAIT_NONE, _WAIT_HEADERS, _WAIT_KEEP_ALIVE = 0, 1, 2
+# What a connection's one timer (gateway/fronts/connection_timer.py) is waiting for.
+_WAIT_HEADERS, _WAIT_KEEP_ALIVE = 1, 2
 
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):
@@ -220,53 +225,27 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._source: str | None = None  # counted in `sources` while open
         self.serves_infer = hasattr(self.app, "infer")
-        # One timer per connection bounds both waits (a request's headers, an idle keep-alive):
-        # arming moves a deadline, and the timer, when it fires before it, re-arms for the rest.
-        # uvicorn starts and cancels a timer per request for each wait (~13 µs of a request).
-        self._wait = _WAIT_NONE
-        self._deadline = 0.0
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
+        # Both bounds (a request's headers, an idle keep-alive) on one timer: uvicorn starts and
+        # cancels a timer per request for each.
+        self._timer = ConnectionTimer(self.loop, self._expired)
 
-    # -- the connection's timer --------------------------------------------------------------------
-
-    def _arm(self, wait: int, timeout_s: float) -> None:
-        deadline = self.loop.time() + timeout_s
-        self._wait = wait
-        self._deadline = deadline
-        timer = self._timer
-        if timer is None or self._timer_at > deadline:  # a later timer would fire too late
-            if timer is not None:
-                timer.cancel()
-            self._timer = self.loop.call_at(deadline, self._on_timer)
-            self._timer_at = deadline
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        wait = self._wait
-        if wait == _WAIT_NONE or self.transport.is_closing():
+    def _expired(self, wait: int) -> None:
+        if self.transport.is_closing():
             return
-        if self.loop.time() < self._deadline:
-            self._timer = self.loop.call_at(self._deadline, self._on_timer)
-            self._timer_at = self._deadline
-            return
-        self._wait = _WAIT_NONE
         if wait == _WAIT_HEADERS:
             self._headers_too_slow()
         else:
             self.timeout_keep_alive_handler()
 
     def _arm_header_timer(self) -> None:
-        if self._wait != _WAIT_HEADERS:  # from connect, or from a new request's first byte
-            self._arm(_WAIT_HEADERS, self.header_timeout_s)
+        if self._timer.wait != _WAIT_HEADERS:  # from connect, or from a new request's first byte
+            self._timer.arm(_WAIT_HEADERS, self.header_timeout_s)
 
     def _disarm_header_timer(self) -> None:
-        if self._wait == _WAIT_HEADERS:
-            self._wait = _WAIT_NONE
+        self._timer.disarm(_WAIT_HEADERS)
 
     def _unset_keepalive_if_required(self) -> None:
-        if self._wait == _WAIT_KEEP_ALIVE:
-            self._wait = _WAIT_NONE
+        self._timer.disarm(_WAIT_KEEP_ALIVE)
 
     def _headers_too_slow(self) -> None:
         if not self.transport.is_closing():
@@ -334,10 +313,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         return (self.cycle is None or self.cycle.response_complete) and not self.pipeline
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._wait = _WAIT_NONE
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.close()
         if self._source is not None:
             mine = self.sources.get(self._source)
             if mine is not None:
@@ -410,8 +386,8 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
-        elif self._wait != _WAIT_HEADERS:  # a next request's headers in progress stay bounded by theirs
-            self._arm(_WAIT_KEEP_ALIVE, self.timeout_keep_alive)
+        elif self._timer.wait != _WAIT_HEADERS:  # a next request's headers in progress keep their bound
+            self._timer.arm(_WAIT_KEEP_ALIVE, self.timeout_keep_alive)
 
     def _start_infer(self) -> bool:
         """Serve an infer request from the protocol (True), or leave it to ASGI (False)."""

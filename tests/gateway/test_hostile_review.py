@@ -249,7 +249,6 @@ def test_a_connection_with_partial_headers_is_closed(gw) -> None:
     assert _request(gw.http, "GET", "/v2/health/live")[0] == 200
 
 
-
 def _infer_bytes(model: str = "lt_nocache") -> bytes:
     body = _ok_body(3)
     return (
