@@ -727,12 +727,7 @@ def section_protocol() -> None:
         "request at a time (benchmarks/http_protocol_bench.py): the parsing callbacks, per-request "
         "state, timers, task and answer head around the pipeline.\n"
     )
-    figures = uvloop.run(http_protocol_bench.measure(20000, 5))
-    floor = figures["minimal httptools protocol"]
-    print("| protocol | µs per infer request | / minimal |")
-    print("|---|---:|---:|")
-    for name, us in figures.items():
-        print(f"| {name} | {us:.1f} | {us / floor:.2f}x |", flush=True)
+    http_protocol_bench.print_table(uvloop.run(http_protocol_bench.measure(20000, 5)))
 
 
 def run_sections(bench: Bench, only: set[str]) -> None:

@@ -208,12 +208,16 @@ def main() -> None:
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"{time.strftime('%Y-%m-%d')}; gateway build asked for: {build} (the protocol itself is interpreted)\n"
     )
-    figures = uvloop.run(measure(args.requests, args.rounds))
+    print_table(uvloop.run(measure(args.requests, args.rounds)))
+
+
+def print_table(figures: dict[str, float]) -> None:
+    """`measure`'s figures as a markdown table, each as a ratio to the minimal protocol."""
     floor = figures["minimal httptools protocol"]
     print("| protocol | µs per infer request | / minimal |")
     print("|---|---:|---:|")
     for name, us in figures.items():
-        print(f"| {name} | {us:.1f} | {us / floor:.2f}x |")
+        print(f"| {name} | {us:.1f} | {us / floor:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
