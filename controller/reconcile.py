@@ -161,7 +161,10 @@ class Controller:
             # A model whose record could not be read keeps the plan the gateways follow now.
             plans = traffic_plans(states.values())
             plans.update({m: p for m, p in self.traffic_plans.items() if m in unreadable})
-            self.traffic_plans = plans
+            # Until this pass has seen what the servers hold, a model whose canary just ended keeps
+            # a pin: a gateway polling meanwhile would otherwise go unpinned while the candidate is
+            # still loaded (a client got the failed shadow candidate that way in a CI run).
+            self.traffic_plans = plans | ended_pins(states, self.traffic_plans, plans)
         servers = self.servers()
         report.servers = [s.name for s in servers]
         if servers:
@@ -683,20 +686,37 @@ def lingering_pins(
 ) -> dict[str, dict[str, Any]]:
     """Pins (no share, no shadow) for models whose canary ended while some server still has a
     version loaded that is not served: until it is unloaded, an unversioned request would get
-    Triton's newest loaded version, the failed candidate. (It narrows the window; the gateway's
-    fall-back to an unpinned request while a reload leaves the stable version listed nowhere is
-    still open: a client got a failed candidate's answer that way in 2 of 4 loaded runs.)"""
+    Triton's newest loaded version, the failed candidate."""
     held: dict[str, set[int]] = {}
     for stats in observed:
         for model, versions in loaded_versions(stats).items():
             held.setdefault(model, set()).update(versions)
-    pins = {}
-    for model, state in states.items():
-        if model in plans or not state.served or not held.get(model, set()) - set(state.served):
-            continue
-        stable = max(state.served)
-        pins[model] = {"stable": stable, "canary": stable, "share": 0.0, "shadow": 0.0, "started": 0.0}
-    return pins
+    return {
+        model: stable_pin(state)
+        for model, state in states.items()
+        if model not in plans and state.served and held.get(model, set()) - set(state.served)
+    }
+
+
+def ended_pins(
+    states: dict[str, DesiredState],
+    previous: dict[str, dict[str, Any]],
+    plans: dict[str, dict[str, Any]],
+) -> dict[str, dict[str, Any]]:
+    """Pins for models the gateways followed a plan or pin for last pass and no longer do: kept
+    until the pass has observed the servers (`lingering_pins` then says whether they still hold
+    a version that is not served)."""
+    return {
+        model: stable_pin(states[model])
+        for model in previous
+        if model not in plans and model in states and states[model].served
+    }
+
+
+def stable_pin(state: DesiredState) -> dict[str, Any]:
+    """A plan that only pins unversioned requests to the served version."""
+    stable = max(state.served)
+    return {"stable": stable, "canary": stable, "share": 0.0, "shadow": 0.0, "started": 0.0}
 
 
 def _region_done(state: DesiredState, version: int, regions: list[str]) -> DesiredState:

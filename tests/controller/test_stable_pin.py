@@ -16,10 +16,20 @@ import numpy as np
 import pytest
 
 from controller.config import ControllerConfig
+from controller.fleet import ControlledServer
+from controller.reconcile import Controller, PassReport
 from controller.triton_admin import TritonAdmin
 from repository.desired_state import DesiredState, TrafficGate
 from skewserve.triton_dist import PreparedTriton
-from tests.controller.conftest import CFG, KEY, controlled_server, controller_and_gateway, two_versions
+from tests.controller.conftest import (
+    CFG,
+    KEY,
+    as_controlled,
+    controlled_server,
+    controller_and_gateway,
+    loaded,
+    two_versions,
+)
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -66,5 +76,48 @@ def test_unversioned_requests_never_reach_the_candidate_while_the_stable_version
                 assert np.isfinite(answer["outputs"][0]["data"]).all()
             finally:
                 admin.close()
+    finally:
+        server.stop()
+
+
+class _Watched(Controller):
+    """A controller that records the plans a gateway polling /v1/traffic would get while a pass
+    observes the servers (the poll is answered from `traffic_plans` at any moment)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.seen_while_observing: list[dict[str, dict[str, object]]] = []
+
+    def _observe(self, server: ControlledServer, report: PassReport) -> list[dict[str, object]] | None:
+        self.seen_while_observing.append(dict(self.traffic_plans))
+        return super()._observe(server, report)
+
+
+def test_a_failed_canary_stays_pinned_away_while_the_next_pass_observes_the_servers(
+    small_artifact: Path, tmp_path: Path, prepared_triton: PreparedTriton
+) -> None:
+    """The pass after a canary failed drops its plan before it has seen that a server still holds
+    the candidate: a gateway polling in that gap went unpinned, and Triton answered a client from
+    the failed version (the rare-class shadow test, in a CI run)."""
+    repo = tmp_path / "repo"
+    store = two_versions(small_artifact, repo)
+    never = TrafficGate(min_requests=10**6, max_wait_s=3600)
+    store.update("lt", partial(DesiredState.start_canary, version=2, shadow=0.5, gate=never))
+    server = controlled_server(repo, "s", tmp_path / "logs", prepared_triton)
+    try:
+        server.start()
+        controller = _Watched(store, as_controlled([server]), KEY, CFG)
+        controller.reconcile_once()  # checks the canary: the server holds 1 and 2, the gateways shadow
+        assert loaded(server) == {"lt": [1, 2]}
+        assert controller.traffic_plans["lt"]["canary"] == 2
+        store.update("lt", partial(DesiredState.canary_failed, server="gate", reason="traffic gate"))
+        controller.seen_while_observing.clear()
+        controller.reconcile_once()  # observes 1 and 2 held, then unloads 2
+        pin = {"stable": 1, "canary": 1, "share": 0.0, "shadow": 0.0, "started": 0.0}
+        assert controller.seen_while_observing == [{"lt": pin}]
+        assert controller.traffic_plans == {"lt": pin}
+        assert loaded(server) == {"lt": [1]}
+        controller.reconcile_once()  # nothing but 1 held: the pin goes
+        assert controller.traffic_plans == {}
     finally:
         server.stop()

@@ -24,6 +24,7 @@ from numpy.testing import assert_array_equal
 from exporter.pipeline import LOCAL_BATCHING
 from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer, TritonServerSpec
+from tests.waiting import wait_until
 
 # Per item: a running sum over the row and the row's mean, so an item run with another's row, a
 # padded row or a row split at the wrong place gives another answer.
@@ -129,6 +130,8 @@ def test_mixed_shapes_in_one_call_are_grouped_and_answer_as_alone(server: Triton
         c.start()
     for c in clients:
         c.join()
+    # Triton records a batch's statistics after it has sent the batch's answers: wait for them
+    wait_until(lambda: _stats(server, "grouped")[0] - before[0] >= 7, 30, "the seven items counted")
     inferences, executions = _stats(server, "grouped")
     # all four requests (seven items) in one execute call: mixed shapes there together
     assert (inferences - before[0], executions - before[1]) == (7, 1)
