@@ -3,7 +3,9 @@
 # Build from the repository root (the build context must be the root; BuildKit reads the
 # ignore list beside this file, deploy/gateway.Dockerfile.dockerignore):
 #   docker build -f deploy/gateway.Dockerfile -t skewserve/gateway:0.1.0 .
-FROM python:3.11.11-slim-bookworm AS build
+# The full image for the build: gcc and Python's headers compile the gateway's hot path (mypyc); the
+# runtime stage is the slim image of the same Python and Debian release, so the extensions load there.
+FROM python:3.11.11-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY skewserve ./skewserve
@@ -14,8 +16,19 @@ COPY controller ./controller
 COPY repository ./repository
 COPY exporter/__init__.py exporter/contract.py exporter/errors.py exporter/plans.py exporter/target.py exporter/triton_config.py ./exporter/
 COPY training/__init__.py training/data_spec.py ./training/
-# --prefix: everything the gateway needs lands in /install, copied alone into the runtime stage.
 COPY deploy/gateway.constraints.txt ./
+# The compiled build, made in place as `make setup` makes it (docs/gateway.md#compiled-build): mypyc
+# from the lock's mypy, type-checking against the gateway's own pinned dependencies in a venv of
+# its own (so the install below still puts every dependency in /install); the wheel carries the
+# extension modules and gateway/compiled.json, and a gateway source that differs from its recorded
+# hash sets the whole build aside at start-up.
+COPY scripts/compile_gateway.py ./scripts/
+RUN python -m venv /compile \
+ && /compile/bin/pip install --no-cache-dir --constraint gateway.constraints.txt ".[gateway,s3]" \
+      "mypy==2.4.1" "mypy-extensions==1.2.0" "ast-serialize==0.13.1" "librt==0.17.0" "pathspec==1.1.1" \
+      "setuptools==84.2.1" "wheel==0.48.0" \
+ && PYTHONPATH=/src /compile/bin/python scripts/compile_gateway.py
+# --prefix: everything the gateway needs lands in /install, copied alone into the runtime stage.
 RUN pip install --no-cache-dir --prefix=/install --constraint gateway.constraints.txt ".[gateway,s3]"
 
 FROM python:3.11.11-slim-bookworm

@@ -4,6 +4,7 @@ and `make images` (deploy/images.py), which pins every image of the overlays by 
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 import shutil
 import subprocess
@@ -233,3 +234,61 @@ def test_make_images_says_what_is_missing(registry_tools: tuple[Path, Path], tmp
     assert not any(" build " in c or " push " in c for c in log.read_text().splitlines())
     assert {i["digest"] for i in yaml.safe_load(kust.read_text())["images"]} == {digest}
     assert (DEPLOY / "k8s" / "base" / "kustomization.yaml").read_text() != kust.read_text()
+
+
+def _copy_build_context(dockerfile: Path, ctx: Path) -> None:
+    """What the Dockerfile's build stage COPYs, at the paths it copies them to."""
+    text = dockerfile.read_text()
+    for line in re.findall(r"^COPY (?!--from)(.+)$", text, re.M):
+        *sources, dest = line.split()
+        for src in sources:
+            target = ctx / dest / Path(src).name if dest.endswith("/") else ctx / dest
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if (ROOT / src).is_dir():
+                shutil.copytree(ROOT / src, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(ROOT / src, target)
+
+
+def test_the_images_wheel_carries_the_compiled_gateway_build_and_runs_it(tmp_path: Path) -> None:
+    """The image's build stage compiles the gateway in place, then installs the project as a wheel:
+    the wheel must carry every extension module and the manifest, and the installed gateway must run
+    the compiled build (its sources' hashes match the manifest's in site-packages too)."""
+    import zipfile
+
+    from gateway.compiled_build import EXT_SUFFIX, build_problems, read_manifest
+
+    dockerfile = DEPLOY / "gateway.Dockerfile"
+    assert re.search(r"^RUN .*scripts/compile_gateway\.py", dockerfile.read_text(), re.M | re.S)
+    ctx = tmp_path / "src"
+    _copy_build_context(dockerfile, ctx)
+    if build_problems(read_manifest(), ROOT):  # no compiled build here (`GATEWAY_BUILD=pure`): make one
+        env = {**os.environ, "PYTHONPATH": str(ctx)}
+        subprocess.run([sys.executable, "scripts/compile_gateway.py"], cwd=ctx, env=env, check=True)
+    else:  # the one `make setup` made from the same sources: what the image's compile step makes
+        for built in [*ROOT.glob(f"gateway/**/*{EXT_SUFFIX}"), ROOT / "gateway" / "compiled.json"]:
+            shutil.copy2(built, ctx / built.relative_to(ROOT))
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", dist, ctx],
+        check=True,
+    )
+    (wheel,) = dist.glob("skewserve-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "gateway/compiled.json" in names
+    missing = build_problems(read_manifest(ctx / "gateway" / "compiled.json"), ctx)
+    assert not missing, missing
+    for ext in ctx.glob(f"gateway/**/*{EXT_SUFFIX}"):
+        assert ext.relative_to(ctx).as_posix() in names, f"{ext.name} is not in the wheel"
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    probe = (
+        "import gateway, gateway.compiled_build as b, gateway.pipeline.run as r; "
+        "print(b.active(), gateway.__file__, r.__file__)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site), "SKEWSERVE_GATEWAY_BUILD": "compiled"}
+    res = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    active, package, module = res.stdout.split()
+    assert active == "compiled", res.stderr
+    assert Path(package).is_relative_to(site) and module.endswith(EXT_SUFFIX), res.stdout

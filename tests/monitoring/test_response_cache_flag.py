@@ -13,6 +13,7 @@ import yaml
 
 from tests.monitoring.stack import write_monitoring_repo
 from tests.process_helpers import cli_process, read_until
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,16 @@ def _infer_three_times_and_read_cache_hits(http_url: str) -> int:
         )
         with urllib.request.urlopen(req, timeout=10) as r:
             assert json.loads(r.read())["outputs"][0]["data"] == [15.0] * 4
+    # Triton books a request's statistics just after sending its answer: read once all three are in
+    # (`success` counts cache hits too)
+    wait_until(lambda: int(_inference_stats(http_url)["success"]["count"]) >= 3, 30, "three answers booked")
+    return int(_inference_stats(http_url)["cache_hit"]["count"])
+
+
+def _inference_stats(http_url: str) -> dict[str, dict[str, int]]:
     with urllib.request.urlopen(f"{http_url}/v2/models/tcached/stats", timeout=10) as r:
-        stats = json.loads(r.read())["model_stats"][0]["inference_stats"]
-    return int(stats["cache_hit"]["count"])
+        stats: dict[str, dict[str, int]] = json.loads(r.read())["model_stats"][0]["inference_stats"]
+    return stats
 
 
 def test_triton_up_response_cache_flag_serves_repeats_from_triton_cache(repo: Path, tmp_path: Path) -> None:
