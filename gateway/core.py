@@ -489,6 +489,7 @@ class Gateway:
             "ready": self.ready(),
             "draining": self.draining,
             "inflight": self.inflight,
+            "streams": self.streams.open,  # stream slots held (admission gives them back at the end)
             "retry_budget_tokens": round(self.dispatcher.budget.tokens, 2),
             "panic_routes": self.router.panic_routes,
             "ejections_refused": self.detector.ejections_refused,

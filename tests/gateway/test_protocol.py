@@ -13,6 +13,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.waiting import wait_until
+
 X = (np.random.default_rng(5).standard_normal((4, 8)) * 15).astype(np.float32)
 
 
@@ -225,10 +227,17 @@ def test_region_pin_is_honoured(shared_gateway, fleet) -> None:
             assert r.headers["x-skewserve-region"] == region
             assert r.headers["x-skewserve-server"] in in_region
         _grpc_infer(shared_gateway.grpc, "lt_nocache", headers={"x-skewserve-region": region})
+        expected = len(X) + 1 + len(X)  # items, as Triton counts
+        target = sum(before.values()) + expected
+        wait_until(
+            lambda t=target: sum(_inferences_by_server(fleet, "lt_nocache").values()) >= t,
+            30,
+            "Triton to book the pinned requests",
+        )
         after = _settled_inferences(fleet, "lt_nocache")
         grew = {name for name in after if after[name] > before[name]}
         assert grew and grew <= in_region, (region, before, after)
-        assert sum(after.values()) - sum(before.values()) == len(X) + 1 + len(X)  # items, as Triton counts
+        assert sum(after.values()) - sum(before.values()) == expected
     with pytest.raises(InferenceServerException, match="pinned region 'mars' does not exist"):
         _grpc_infer(shared_gateway.grpc, "lt_nocache", headers={"x-skewserve-region": "mars"})
 

@@ -304,7 +304,8 @@ def test_streams_are_bounded_per_caller_and_checked_per_message(gw, tmp_path: Pa
             narrow.close()
             assert await narrow.read() is None and (await narrow.status())[0] == grpc.StatusCode.OK
             held[0].call.cancel()  # the client cancels: its slot comes back
-            await _until(lambda: _open_stream_count(gw) == 1)
+            # the slot comes back after the stream's upstream is closed: wait for the slot itself
+            await _until(lambda: _open_stream_count(gw) == 1 and gw.admin()["streams"] == 1)
             again = Stream(channel)
             again.send(_repeat([8]))
             assert (await again.read())["OUT"] == [8]
