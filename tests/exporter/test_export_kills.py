@@ -94,7 +94,9 @@ def _wait_for(predicate: Callable[[], bool], proc: subprocess.Popen[bytes], time
     raise AssertionError(f"nothing observed within {timeout_s}s")
 
 
-def _step_until(predicate: Callable[[], bool], proc: subprocess.Popen[bytes], timeout_s: float = 60) -> bool:
+def _step_until(
+    predicate: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60
+) -> bool:
     """Run the export in short slices (SIGCONT, SIGSTOP) and check `predicate` while it is stopped.
 
     A stopped process cannot rename its temporary away between the check and the kill, and a stop
@@ -111,7 +113,39 @@ def _step_until(predicate: Callable[[], bool], proc: subprocess.Popen[bytes], ti
         if predicate():
             return True  # left stopped: the caller's SIGKILL lands on this moment
         proc.send_signal(signal.SIGCONT)
-    raise AssertionError(f"nothing observed within {timeout_s}s")
+        _one_slice(proc.pid)
+    raise AssertionError(f"nothing observed within {timeout_s}s; {_where(proc.pid, log)}")
+
+
+def _where(pid: int, log: Path) -> str:
+    """What a stepped export was doing when nothing came: its state, kernel wait and log's end."""
+    proc_dir = Path(f"/proc/{pid}")
+    try:
+        state = (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = (proc_dir / "wchan").read_text()
+    except OSError as exc:
+        state, wchan = "gone", str(exc)
+    return f"export state {state}, waiting in {wchan!r}, its log ends: {log.read_text()[-2000:]!r}"
+
+
+def _one_slice(pid: int, most_s: float = 0.005) -> None:
+    """Let a continued export run until it has made one more read or write call (a temporary's
+    write is one: the stop that follows lands before its rename), or for `most_s` while it computes
+    or waits. Stopped again at once, a starved export never ran between the two signals on a loaded
+    machine (a clean-clone run saw nothing in 60 s)."""
+    calls = _io_calls(pid)
+    until = time.monotonic() + most_s
+    while _io_calls(pid) == calls and time.monotonic() < until:
+        os.sched_yield()
+
+
+def _io_calls(pid: int) -> int:
+    """The process's read and write calls so far (/proc/<pid>/io), -1 once it is gone."""
+    try:
+        fields = dict(line.split(": ", 1) for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+        return int(fields["syscr"]) + int(fields["syscw"])
+    except (OSError, KeyError, ValueError):
+        return -1
 
 
 def _staging_dirs(model_dir: Path) -> list[Path]:
@@ -165,7 +199,7 @@ def test_sigkilled_exports_never_expose_a_partial_version(
             card = f"{STAGING_PREFIX}*-{proc.pid}/{CARD}"  # this export's own staging folder, complete
             _wait_for(lambda card=card: any(model_dir.glob(card)), proc)  # type: ignore[misc]
             before = _snapshot(model_dir)
-        seen = _step_until(lambda: bool(_model_level_temporaries(model_dir)), proc)
+        seen = _step_until(lambda: bool(_model_level_temporaries(model_dir)), proc, log)
         was_running = _kill(proc)
         if seen and was_running:
             killed.append("model-files")
