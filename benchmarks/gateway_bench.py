@@ -360,6 +360,21 @@ def section_hop(bench: Bench, gw: Gateway) -> None:
             )
         finally:
             direct_h2.stop()
+    over_http, over_http_split = None, {}
+    if "http_binary" in str(ListenConfig.model_fields["grpc_upstream"].annotation):
+        binary = Gateway(bench.local(), bench.work, "hop-http-binary", listen={"grpc_upstream": "http_binary"})
+        try:
+            over_http = hop_row(
+                bench,
+                "skewserve gateway, data plane haproxy, upstream http_binary",
+                "grpc",
+                binary.grpc,
+                binary.proc.pid,
+                binary,
+            )
+            over_http_split = cpu_split_us(bench, binary, "grpc")
+        finally:
+            binary.stop()
     if plane:
         old = Gateway(bench.local(), bench.work, "hop-grpcio", listen={"grpc_data_plane": "grpcio"})
         try:
@@ -422,6 +437,16 @@ def section_hop(bench: Bench, gw: Gateway) -> None:
     for name, value, goal in rows:
         cells = " | ".join(f"{value(*builds[b], hit_cpu[b]):.2f}x" for b in ("compiled", "pure"))
         print(f"| {name} | {cells} | {goal} |", flush=True)
+    if over_http is not None:
+        print(
+            "\ngRPC with `listen.grpc_upstream: http_binary` (issue 39 part 3: ModelInfer to Triton's HTTP "
+            f"port, one HAProxy conversion fewer), compiled: CPU per call {over_http.cpu_us / ha_grpc.cpu_us:.2f}x "
+            f"HAProxy h2 (goal <= 2.5; the default upstream {gw_grpc.cpu_us / ha_grpc.cpu_us:.2f}x), throughput "
+            f"{over_http.ratio / ha_grpc.ratio:.2f}x (goal >= 0.8; default {gw_grpc.ratio / ha_grpc.ratio:.2f}x), "
+            f"added median {_ratio(over_http.added_ms, ha_grpc.added_ms):.2f}x; by process: "
+            + ", ".join(f"{name} {us:.0f} µs" for name, us in sorted(over_http_split.items(), key=lambda kv: -kv[1])),
+            flush=True,
+        )
 
 
 def _cpu_by_name(pid: int) -> dict[tuple[int, float], tuple[str, float]]:

@@ -200,12 +200,14 @@ class ListenConfig(_Strict):
         "connections, client and Triton side, and the gateway handles each call as HTTP/1.1; ~4x less "
         "CPU per call) or 'grpcio' (grpc.aio in the gateway's process, no child process)",
     )
-    grpc_upstream: Literal["data_plane", "grpcio"] = Field(
+    grpc_upstream: Literal["data_plane", "grpcio", "http_binary"] = Field(
         default="data_plane",
         description="how the gateway calls Triton's gRPC port: 'data_plane' (through the HAProxy of "
         "the haproxy data plane, which holds the HTTP/2 connections; measured cheapest, see "
-        "`make bench-gateway`) or 'grpcio' (a grpc.aio channel per server); with the grpcio data "
-        "plane always grpcio",
+        "`make bench-gateway`), 'grpcio' (a grpc.aio channel per server; with the grpcio data "
+        "plane always grpcio), or 'http_binary' (ModelInfer to Triton's HTTP port as a binary-tensor "
+        "request where Triton reads it exactly as over gRPC, everything else and every refusal as "
+        "'data_plane'; start Triton with the same header-forward pattern for both fronts)",
     )
     tls: TlsConfig | None = Field(
         default=None, description="TLS on the public ports (HTTPS, and gRPC over TLS); unset = plain"

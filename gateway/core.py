@@ -71,6 +71,7 @@ class Gateway:
                         cfg.retries.connect_timeout_s,
                         clock,
                         grpc_relay,
+                        grpc_over_http=cfg.listen.grpc_upstream == "http_binary",
                     )
                     for s in r.servers
                 ],
@@ -214,6 +215,7 @@ class Gateway:
             self.cfg.retries.connect_timeout_s,
             self.clock,
             self.grpc_relay,
+            grpc_over_http=self.cfg.listen.grpc_upstream == "http_binary",
         )
 
     async def add_server(self, server: UpstreamServer) -> bool:

@@ -68,7 +68,7 @@ async def serve(
         http_sock.close()
         ops_sock.close()
         raise
-    gateway = Gateway(cfg, grpc_relay=grpc_plane.relay if listen.grpc_upstream == "data_plane" else None)
+    gateway = Gateway(cfg, grpc_relay=grpc_plane.relay if listen.grpc_upstream != "grpcio" else None)
     grpc_front = GrpcFront(gateway)
     try:
         grpc_port = await grpc_plane.start(grpc_front)

@@ -4,7 +4,9 @@ and the infer path served from the protocol itself.
 Infer requests (`POST /v2/models/{m}[/versions/{v}]/infer`) skip ASGI: once their headers are in,
 an `InferExchange` takes uvicorn's place for the request (same flow control, keep-alive and
 pipelining) and hands its bytes straight to the pipeline (gateway/fronts/http_front.py `infer`);
-the answer goes out in one write. Every other request goes to the ASGI app (FastAPI) on the same
+the answer goes out in one write. A request whose body is complete is run from the callback that
+completed it (gateway/fronts/eager_start.py): one answered without waiting on the network (a cache
+hit, a refusal) is written before that callback returns, with no task. Every other request goes to the ASGI app (FastAPI) on the same
 connection. The connection owns what uvicorn builds per request: no ASGI scope is built unless the
 request goes to the ASGI app, the exchange keeps only the state the protocol reads, and the header
 and keep-alive bounds share one timer per connection (gateway/fronts/connection_timer.py) instead
@@ -36,6 +38,7 @@ from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, 
 
 from gateway.config import GatewayConfig
 from gateway.fronts.connection_timer import ConnectionTimer
+from gateway.fronts.eager_start import start_eagerly
 from gateway.fronts.http_infer import parse_infer_path
 from gateway.state.limits import client_key
 
@@ -228,6 +231,9 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         # Both bounds (a request's headers, an idle keep-alive) on one timer: uvicorn starts and
         # cancels a timer per request for each.
         self._timer = ConnectionTimer(self.loop, self._expired)
+        # An infer request whose headers are in, started once its body is (from the callback that
+        # completes it, eagerly) or when the read that brought it ends (a task: the body streams).
+        self._unstarted: InferExchange | None = None
 
     def _expired(self, wait: int) -> None:
         if self.transport.is_closing():
@@ -367,6 +373,14 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
         cycle.message_event.set()
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        cycle = self._unstarted
+        if cycle is not None:  # the body comes in later reads: the request reads it as it streams
+            self._unstarted = None
+            if not self.transport.is_closing():
+                self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]
+
     def on_message_complete(self) -> None:
         cycle = self.cycle
         if type(cycle) is not InferExchange:
@@ -375,6 +389,20 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         if not cycle.response_complete:
             cycle.more_body = False
             cycle.message_event.set()
+        if cycle is self._unstarted:
+            self._unstarted = None
+            # A request pipelined after one that closed the connection in this same read is not run
+            # (uvicorn never starts a pipelined request once the connection is closing).
+            if not self.transport.is_closing():
+                self._start_eagerly(cycle)
+
+    def _start_eagerly(self, cycle: InferExchange) -> None:
+        """The whole request is in: run it here, in this callback, and only if it waits (for an
+        upstream) does it get a task. A cache hit or a refusal is written before this returns."""
+        task = start_eagerly(self.loop, cycle.run_asgi(self.app))
+        if task is not None:
+            task.add_done_callback(self.tasks.discard)
+            self.tasks.add(task)
 
     def on_response_complete(self) -> None:
         """uvicorn's, with the keep-alive wait on the connection's one timer."""
@@ -415,7 +443,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         )
         self.cycle = cycle  # type: ignore[assignment]
         if existing is None or existing.response_complete:
-            self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]
+            self._unstarted = cycle  # started by on_message_complete or at the end of this read
         else:  # pipelined: started when the one before it has answered
             self.flow.pause_reading()
             self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import ServerConfig
+from gateway.upstream.grpc_over_http import HttpBinaryChannel
 from gateway.upstream.grpc_relay import GrpcChannel, GrpcRelay, RelayChannel, StreamChannel
 from gateway.upstream.http_client import HttpPool, HttpResponse
 from gateway.upstream.tls import UpstreamTls
@@ -73,14 +74,17 @@ class UpstreamServer:
         clock: Clock = time.monotonic,
         grpc_relay: GrpcRelay | None = None,
         tls: UpstreamTls | None = None,
+        grpc_over_http: bool = False,
     ) -> None:
         self.name = cfg.name
         self.region = region
         self.http_address = cfg.http
         self.grpc_address = cfg.grpc
         self.http = HttpPool(cfg.http, connect_timeout_s=connect_timeout_s, tls=tls)
-        self.grpc: GrpcChannel | RelayChannel = (
-            grpc_relay.channel(cfg.grpc) if grpc_relay is not None else GrpcChannel(cfg.grpc, tls)
+        channel = grpc_relay.channel(cfg.grpc) if grpc_relay is not None else GrpcChannel(cfg.grpc, tls)
+        # listen.grpc_upstream http_binary: ModelInfer to the HTTP port where that is exact
+        self.grpc: GrpcChannel | RelayChannel | HttpBinaryChannel = (
+            HttpBinaryChannel(self.http, channel) if grpc_over_http else channel
         )
         self.streams = StreamChannel(cfg.grpc, tls)  # ModelStreamInfer: always direct, never relayed
         self.clock = clock
@@ -167,4 +171,5 @@ class UpstreamServer:
             "last_probe_error": self.last_probe_error,
             "requests": self.requests,
             "failures": self.failures,
+            **({"grpc_over_http": self.grpc.describe()} if isinstance(self.grpc, HttpBinaryChannel) else {}),
         }
