@@ -362,7 +362,9 @@ def section_hop(bench: Bench, gw: Gateway) -> None:
             direct_h2.stop()
     over_http, over_http_split = None, {}
     if "http_binary" in str(ListenConfig.model_fields["grpc_upstream"].annotation):
-        binary = Gateway(bench.local(), bench.work, "hop-http-binary", listen={"grpc_upstream": "http_binary"})
+        binary = Gateway(
+            bench.local(), bench.work, "hop-http-binary", listen={"grpc_upstream": "http_binary"}
+        )
         try:
             over_http = hop_row(
                 bench,
@@ -444,7 +446,9 @@ def section_hop(bench: Bench, gw: Gateway) -> None:
             f"HAProxy h2 (goal <= 2.5; the default upstream {gw_grpc.cpu_us / ha_grpc.cpu_us:.2f}x), throughput "
             f"{over_http.ratio / ha_grpc.ratio:.2f}x (goal >= 0.8; default {gw_grpc.ratio / ha_grpc.ratio:.2f}x), "
             f"added median {_ratio(over_http.added_ms, ha_grpc.added_ms):.2f}x; by process: "
-            + ", ".join(f"{name} {us:.0f} µs" for name, us in sorted(over_http_split.items(), key=lambda kv: -kv[1])),
+            + ", ".join(
+                f"{name} {us:.0f} µs" for name, us in sorted(over_http_split.items(), key=lambda kv: -kv[1])
+            ),
             flush=True,
         )
 

@@ -8,6 +8,8 @@ that is not the pipeline: parsing callbacks, per-request state, timers, the task
 
 - the gateway's protocol (gateway/fronts/http_protocol.py: infer served from the protocol, one
   timer per connection), with an app whose `infer` writes the answer at once;
+- the same protocol with a task per request, as it was before eager start (the request runs from the
+  callback that completed it: gateway/fronts/eager_start.py);
 - uvicorn's httptools protocol with an ASGI app doing the same (what an ASGI route pays: scope,
   receive/send messages, the keep-alive timer per response);
 - a minimal httptools protocol (parse, one task, one write): the floor any Python protocol pays.
@@ -176,9 +178,22 @@ async def per_request_us(make: Callable[[], asyncio.Protocol], requests: int) ->
     return elapsed / requests * 1e6
 
 
+def tasked_protocol() -> type[Any]:
+    """The gateway's protocol as it was before eager start: a task for every infer request."""
+
+    class Tasked(with_header_timeout(10.0)):  # type: ignore[misc, valid-type]
+        def _start_eagerly(self, cycle: Any) -> None:
+            self._start_asgi_task(cycle, self.app)
+
+    return Tasked
+
+
 PROTOCOLS: dict[str, Callable[[], asyncio.Protocol]] = {
     "skewserve gateway (infer served from the protocol)": lambda: uvicorn_protocol(
         InferApp(), with_header_timeout(10.0)
+    ),
+    "skewserve gateway, a task per request (before eager start)": lambda: uvicorn_protocol(
+        InferApp(), tasked_protocol()
     ),
     "uvicorn httptools + ASGI app": lambda: uvicorn_protocol(asgi_app, "httptools"),
     "minimal httptools protocol": MinimalProtocol,

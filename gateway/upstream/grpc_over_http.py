@@ -74,7 +74,7 @@ def http_form(message: bytes) -> tuple[bytes, bytes, int] | None:
     if not req.model_name or len(raw) != len(req.inputs):
         return None
     inputs = []
-    for tensor, data in zip(req.inputs, raw):
+    for tensor, data in zip(req.inputs, raw, strict=True):  # lengths checked above
         if tensor.parameters or tensor.HasField("contents"):
             return None
         inputs.append(

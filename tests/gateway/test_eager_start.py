@@ -119,7 +119,9 @@ def _answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
 
 
 @pytest.fixture(scope="module")
-def gw(one_triton: dict[str, list[TritonServer]], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayUnderTest]:
+def gw(
+    one_triton: dict[str, list[TritonServer]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayUnderTest]:
     g = launch_gateway(gateway_config(one_triton), tmp_path_factory.mktemp("eager_gw"))
     yield g
     g.stop()

@@ -13,7 +13,6 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
 from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway
 from tests.gateway.test_data_plane import INFER, infer_request
@@ -23,13 +22,17 @@ OVER_HTTP = {"listen": {"grpc_upstream": "http_binary"}, "cache": {"backend": "n
 
 
 @pytest.fixture(scope="module")
-def gw(one_triton: dict[str, list[TritonServer]], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayUnderTest]:
+def gw(
+    one_triton: dict[str, list[TritonServer]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayUnderTest]:
     g = launch_gateway(gateway_config(one_triton, **OVER_HTTP), tmp_path_factory.mktemp("over_http_gw"))
     yield g
     g.stop()
 
 
-def _call(address: str, req: pb.ModelInferRequest, metadata: tuple[tuple[str, str], ...] = ()) -> tuple[str, Any]:
+def _call(
+    address: str, req: pb.ModelInferRequest, metadata: tuple[tuple[str, str], ...] = ()
+) -> tuple[str, Any]:
     """(code, answer bytes or the error's details)."""
     with grpc.insecure_channel(address) as channel:
         stub = channel.unary_unary(INFER, request_serializer=pb.ModelInferRequest.SerializeToString)
@@ -39,7 +42,9 @@ def _call(address: str, req: pb.ModelInferRequest, metadata: tuple[tuple[str, st
             return exc.code().name, exc.details()  # type: ignore[attr-defined]
 
 
-def _both(triton: TritonServer, gw: GatewayUnderTest, req: pb.ModelInferRequest) -> tuple[tuple[str, Any], tuple[str, Any]]:
+def _both(
+    triton: TritonServer, gw: GatewayUnderTest, req: pb.ModelInferRequest
+) -> tuple[tuple[str, Any], tuple[str, Any]]:
     return _call(triton.grpc_address, req), _call(f"{gw.host}:{gw.grpc_port}", req)
 
 
@@ -111,9 +116,11 @@ def test_a_refusal_has_the_grpc_fronts_code_and_words(
         after = _carried(gw)
         # Refused over HTTP, then asked again over gRPC; or sent there at once (HTTP's own parameter)
         moved = {k: after[k] - before[k] for k in after}
-        assert moved == {"over_http": 0, "fallen_back": 0, "asked_again": 1} if direct[0] != "OK" else {
-            "over_http": 0, "fallen_back": 1, "asked_again": 0
-        }, (moved, direct)
+        assert (
+            moved == {"over_http": 0, "fallen_back": 0, "asked_again": 1}
+            if direct[0] != "OK"
+            else {"over_http": 0, "fallen_back": 1, "asked_again": 0}
+        ), (moved, direct)
     assert all(s["failures"] == 0 for s in gw.admin()["servers"])  # no server was blamed
 
 
@@ -145,9 +152,12 @@ def _echoed(address: str, req: pb.ModelInferRequest, metadata: tuple[tuple[str, 
 
 
 def test_the_model_sees_the_same_parameters_and_forwarded_headers(
-    echo_triton: dict[str, list[TritonServer]], make_gateway: Callable[..., GatewayUnderTest]  # noqa: F811
+    echo_triton: dict[str, list[TritonServer]],
+    make_gateway: Callable[..., GatewayUnderTest],  # noqa: F811
 ) -> None:
-    gw = make_gateway(gateway_config(echo_triton, **OVER_HTTP, routing={"header_forward_pattern": "x-tenant-id"}))
+    gw = make_gateway(
+        gateway_config(echo_triton, **OVER_HTTP, routing={"header_forward_pattern": "x-tenant-id"})
+    )
     req = pb.ModelInferRequest(model_name="echo_params")
     req.inputs.add(name="INPUT0", datatype="FP32", shape=[4])
     req.raw_input_contents.append(b"\0" * 16)
