@@ -201,13 +201,14 @@ class ListenConfig(_Strict):
         "CPU per call) or 'grpcio' (grpc.aio in the gateway's process, no child process)",
     )
     grpc_upstream: Literal["data_plane", "grpcio", "http_binary"] = Field(
-        default="data_plane",
-        description="how the gateway calls Triton's gRPC port: 'data_plane' (through the HAProxy of "
-        "the haproxy data plane, which holds the HTTP/2 connections; measured cheapest, see "
-        "`make bench-gateway`), 'grpcio' (a grpc.aio channel per server; with the grpcio data "
-        "plane always grpcio), or 'http_binary' (ModelInfer to Triton's HTTP port as a binary-tensor "
-        "request where Triton reads it exactly as over gRPC, everything else and every refusal as "
-        "'data_plane'; start Triton with the same header-forward pattern for both fronts)",
+        default="http_binary",
+        description="how the gateway calls Triton for a gRPC client: 'http_binary' (ModelInfer to "
+        "Triton's HTTP port as a binary-tensor request where Triton reads it exactly as over gRPC, "
+        "everything else and every refusal as 'data_plane'; measured cheapest, see `make "
+        "bench-gateway`; start Triton with the same header-forward pattern for both fronts), "
+        "'data_plane' (Triton's gRPC port through the HAProxy of the haproxy data plane, which holds "
+        "the HTTP/2 connections) or 'grpcio' (a grpc.aio channel per server); with the grpcio data "
+        "plane, what is not sent over HTTP goes by grpc.aio",
     )
     tls: TlsConfig | None = Field(
         default=None, description="TLS on the public ports (HTTPS, and gRPC over TLS); unset = plain"

@@ -178,6 +178,10 @@ async def receive_body(
 ) -> bytes:
     """The whole body within `timeout_s` (limits.body_read_timeout_s), each chunk counted against
     its caller (`hold`) before it is kept."""
+    if asyncio.current_task() is None:
+        # Run from the protocol's callback (gateway/fronts/eager_start.py): the request is whole,
+        # so nothing here waits, and asyncio.timeout needs a task.
+        return await _receive_chunks(exchange, limit, hold)
     try:
         async with asyncio.timeout(timeout_s):
             return await _receive_chunks(exchange, limit, hold)

@@ -388,6 +388,9 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             return
         if not cycle.response_complete:
             cycle.more_body = False
+            # The whole body is here: an interim 100 Continue is moot (RFC 9110 10.1.1: a server
+            # may omit it once it has the content).
+            cycle.waiting_for_100_continue = False
             cycle.message_event.set()
         if cycle is self._unstarted:
             self._unstarted = None

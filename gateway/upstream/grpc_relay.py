@@ -106,6 +106,16 @@ class StreamChannel:
             await self.channel.close()
 
 
+def upstream_error(address: str, code: grpc.StatusCode, details: str) -> Exception:
+    """Triton's gRPC error answer as the gateway's error: a timeout, a server that produced no
+    answer (another may be tried), or Triton's refusal in its own code and words."""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return UpstreamTimeout(f"{address}: {details or 'deadline exceeded'}")
+    if code in _RETRYABLE:
+        return UpstreamUnavailable(f"{address}: {code.name}: {details}")
+    return UpstreamRejected(details or code.name, grpc_code=code, http_status=_http_for(code))
+
+
 def _http_for(code: grpc.StatusCode) -> int:
     return {
         grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -210,11 +220,7 @@ class RelayChannel:
                 raise UpstreamUnavailable(f"{self.address}: malformed gRPC response body ({len(body)} bytes)")
             return body[5:]
         details = urllib.parse.unquote((resp.header(b"grpc-message") or b"").decode("latin-1"))
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            raise UpstreamTimeout(f"{self.address}: {details or 'deadline exceeded'}")
-        if code in _RETRYABLE:
-            raise UpstreamUnavailable(f"{self.address}: {code.name}: {details}")
-        raise UpstreamRejected(details or code.name, grpc_code=code, http_status=_http_for(code))
+        raise upstream_error(self.address, code, details)
 
     async def close(self) -> None:
         pass  # connections belong to the shared relay

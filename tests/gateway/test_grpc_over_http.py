@@ -13,8 +13,10 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
+from skewserve.triton_dist import PreparedTriton
 from skewserve.triton_process import TritonServer
-from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway
+from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway, start_fleet, stop_fleet
+from tests.gateway.protocol_models import python_model_repo
 from tests.gateway.test_data_plane import INFER, infer_request
 from tests.gateway.test_triton_parity import echo_triton as echo_triton  # noqa: F401 (a fixture)
 
@@ -105,7 +107,7 @@ def _refused_requests() -> list[pb.ModelInferRequest]:
     return [wrong_name, wrong_shape, short, no_output, reserved]
 
 
-def test_a_refusal_has_the_grpc_fronts_code_and_words(
+def test_a_refusal_has_the_grpc_fronts_code_and_words_and_is_never_asked_twice(
     one_triton: dict[str, list[TritonServer]], gw: GatewayUnderTest
 ) -> None:
     triton = one_triton["us-east"][0]
@@ -114,13 +116,13 @@ def test_a_refusal_has_the_grpc_fronts_code_and_words(
         direct, via = _both(triton, gw, req)
         assert via == direct, (direct, via)
         after = _carried(gw)
-        # Refused over HTTP, then asked again over gRPC; or sent there at once (HTTP's own parameter)
         moved = {k: after[k] - before[k] for k in after}
-        assert (
-            moved == {"over_http": 0, "fallen_back": 0, "asked_again": 1}
-            if direct[0] != "OK"
-            else {"over_http": 0, "fallen_back": 1, "asked_again": 0}
-        ), (moved, direct)
+        # Refused over HTTP, answered from HTTP's status and the core's words; or sent by gRPC at
+        # once (HTTP's own parameter, which gRPC hands to the model)
+        expected = {"over_http": 1, "fallen_back": 0, "asked_again": 0}
+        if direct[0] == "OK":
+            expected = {"over_http": 0, "fallen_back": 1, "asked_again": 0}
+        assert moved == expected, (moved, direct)
     assert all(s["failures"] == 0 for s in gw.admin()["servers"])  # no server was blamed
 
 
@@ -135,13 +137,24 @@ def test_what_http_would_read_differently_goes_by_the_relay(
     sequence.parameters["sequence_id"].int64_param = 5  # a sequence's step is never asked twice
     reserved = infer_request()
     reserved.parameters["triton_enable_empty_final_response"].bool_param = True
+    negative = infer_request()
+    negative.inputs[0].shape[0] = -1  # INVALID_ARGUMENT over gRPC, a JSON error (INTERNAL) over HTTP
+    no_classes = infer_request()
+    no_classes.outputs.add(name="probabilities").parameters["classification"].int64_param = 0
+    nul_key = infer_request()
+    nul_key.parameters["priority\0x"].int64_param = 1
+    inexact = infer_request()
+    inexact.parameters["weight"].double_param = 0.9210986675838745  # 16 digits: rapidjson may miss it
+    cases = (typed, unsigned, sequence, reserved, negative, no_classes, nul_key, inexact)
     triton = one_triton["us-east"][0]
     before = _carried(gw)
-    for req in (typed, unsigned, sequence, reserved):
+    for req in cases:
         direct, via = _both(triton, gw, req)
         assert via == direct, (direct, via)
     after = _carried(gw)
-    assert after["fallen_back"] - before["fallen_back"] == 4 and after["over_http"] == before["over_http"]
+    assert after["fallen_back"] - before["fallen_back"] == len(cases)
+    assert after["over_http"] == before["over_http"]
+    assert all(s["failures"] == 0 for s in gw.admin()["servers"])
 
 
 def _echoed(address: str, req: pb.ModelInferRequest, metadata: tuple[tuple[str, str], ...]) -> dict[str, Any]:
@@ -156,7 +169,9 @@ def test_the_model_sees_the_same_parameters_and_forwarded_headers(
     make_gateway: Callable[..., GatewayUnderTest],  # noqa: F811
 ) -> None:
     gw = make_gateway(
-        gateway_config(echo_triton, **OVER_HTTP, routing={"header_forward_pattern": "x-tenant-id"})
+        gateway_config(
+            echo_triton, **OVER_HTTP, routing={"header_forward_pattern": "x-tenant-id|accept-encoding"}
+        )
     )
     req = pb.ModelInferRequest(model_name="echo_params")
     req.inputs.add(name="INPUT0", datatype="FP32", shape=[4])
@@ -172,3 +187,63 @@ def test_the_model_sees_the_same_parameters_and_forwarded_headers(
     assert {k: via.get(k) for k in mine} == {k: direct.get(k) for k in mine}
     assert {type(via[k]) for k in ("weight", "big")} == {float, int}
     assert _carried(gw)["over_http"] == 1
+    # Metadata naming a header that frames Triton's HTTP request (here: a compressed answer the
+    # gateway would then have to read) is gRPC metadata only: that call goes by gRPC.
+    framing = (("x-tenant-id", "acme"), ("accept-encoding", "gzip"))
+    assert _echoed(f"{gw.host}:{gw.grpc_port}", req, framing)["x-tenant-id"] == "acme"
+    assert _carried(gw) == {"over_http": 1, "fallen_back": 1, "asked_again": 0}
+
+
+COUNTED_CONFIG = """
+name: "refuses_counted"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+"""
+COUNTED_PY = """
+import os
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.runs = os.path.join(args["model_repository"], "runs.log")
+
+    def execute(self, requests):
+        with open(self.runs, "a") as runs:
+            runs.write("run\\n" * len(requests))
+        return [pb_utils.InferenceResponse(error=pb_utils.TritonError("refused by the model", pb_utils.TritonError.UNKNOWN)) for _ in requests]
+"""
+
+
+@pytest.fixture(scope="module")
+def counted_triton(
+    tmp_path_factory: pytest.TempPathFactory, prepared_triton: PreparedTriton
+) -> Iterator[dict[str, list[TritonServer]]]:
+    repo = python_model_repo(
+        tmp_path_factory.mktemp("counted_repo"), {"refuses_counted": (COUNTED_CONFIG, COUNTED_PY)}
+    )
+    f = start_fleet(repo, {"us-east": 1}, tmp_path_factory.mktemp("counted_logs"), prepared_triton)
+    yield f
+    stop_fleet(f)
+
+
+def test_a_models_own_error_is_passed_on_with_its_words_and_the_model_runs_once(
+    counted_triton: dict[str, list[TritonServer]], make_gateway: Callable[..., GatewayUnderTest]
+) -> None:
+    """HTTP folds the error kinds UNKNOWN (here a Python model's), ALREADY_EXISTS and CANCELLED
+    into INVALID_ARG's 400: they read as INVALID_ARGUMENT, never as a reason to ask again."""
+    gw = make_gateway(gateway_config(counted_triton, **OVER_HTTP, retries={"max_attempts": 1}))
+    triton = counted_triton["us-east"][0]
+    runs = triton.spec.repository / "refuses_counted" / "runs.log"
+    req = pb.ModelInferRequest(model_name="refuses_counted")
+    req.inputs.add(name="INPUT0", datatype="FP32", shape=[4])
+    req.raw_input_contents.append(b"\0" * 16)
+    direct = _call(triton.grpc_address, req)
+    assert runs.read_text().count("run") == 1
+    via = _call(f"{gw.host}:{gw.grpc_port}", req)
+    assert via == ("INVALID_ARGUMENT", direct[1]) and direct[0] == "UNKNOWN"
+    assert runs.read_text().count("run") == 2  # once for the gateway's call: never asked again
+    assert _carried(gw) == {"over_http": 1, "fallen_back": 0, "asked_again": 0}
