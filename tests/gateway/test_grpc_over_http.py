@@ -247,3 +247,59 @@ def test_a_models_own_error_is_passed_on_with_its_words_and_the_model_runs_once(
     assert via == ("INVALID_ARGUMENT", direct[1]) and direct[0] == "UNKNOWN"
     assert runs.read_text().count("run") == 2  # once for the gateway's call: never asked again
     assert _carried(gw) == {"over_http": 1, "fallen_back": 0, "asked_again": 0}
+
+
+def test_what_the_http_form_refuses_to_carry() -> None:
+    """Units of the same rules, each a request the relay carries instead (None)."""
+    from gateway.upstream.grpc_over_http import http_form
+
+    def with_(change: Callable[[pb.ModelInferRequest], object]) -> bytes:
+        req = infer_request()
+        change(req)
+        return req.SerializeToString()
+
+    assert http_form(infer_request().SerializeToString()) is not None
+    assert http_form(b"\xff\xff not a message") is None
+    refused = {
+        "a name Triton's routes would not decode": lambda r: setattr(r, "model_name", "l t"),
+        "a version no route matches": lambda r: setattr(r, "model_version", "-1"),
+        "typed contents": lambda r: r.inputs[0].contents.fp32_contents.append(1.0),
+        "a tensor parameter": lambda r: (
+            r.inputs[0].parameters["shared_memory_region"].MergeFrom(pb.InferParameter(string_param="r"))
+        ),
+        "a classification count gRPC reads as 32 bits": lambda r: (
+            r.outputs.add(name="p")
+            .parameters["classification"]
+            .MergeFrom(pb.InferParameter(int64_param=2**32))
+        ),
+        "a NUL in the id": lambda r: setattr(r, "id", "a\0b"),
+        "a NUL in a string parameter": lambda r: r.parameters["s"].MergeFrom(
+            pb.InferParameter(string_param="a\0")
+        ),
+        "an infinite double": lambda r: r.parameters["d"].MergeFrom(
+            pb.InferParameter(double_param=float("inf"))
+        ),
+        "a tiny double": lambda r: r.parameters["d"].MergeFrom(pb.InferParameter(double_param=1.5e-30)),
+        "a negative timeout": lambda r: r.parameters["timeout"].MergeFrom(pb.InferParameter(int64_param=-1)),
+        "a string sequence id": lambda r: r.parameters["sequence_id"].MergeFrom(
+            pb.InferParameter(string_param="s")
+        ),
+    }
+    carried = [why for why, change in refused.items() if http_form(with_(change)) is not None]
+    assert carried == []
+    exact = with_(lambda r: r.parameters["d"].MergeFrom(pb.InferParameter(double_param=0.25)))
+    assert http_form(exact) is not None
+
+
+def test_an_answer_with_a_nan_parameter_is_rebuilt() -> None:
+    from gateway.upstream.grpc_over_http import grpc_form
+    from gateway.upstream.http_client import HttpResponse
+
+    head = b'{"model_name":"m","model_version":"1","parameters":{"x":NaN},"outputs":[]}'
+    answer = pb.ModelInferResponse.FromString(
+        grpc_form(HttpResponse(200, [(b"Inference-Header-Content-Length", str(len(head)).encode())], head))
+    )
+    assert (
+        answer.model_name == "m"
+        and answer.parameters["x"].double_param != answer.parameters["x"].double_param
+    )
