@@ -234,6 +234,9 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         # An infer request whose headers are in, started once its body is (from the callback that
         # completes it, eagerly) or when the read that brought it ends (a task: the body streams).
         self._unstarted: InferExchange | None = None
+        # At most one request per read runs eagerly: the rest of a pipelined read waits its turn as
+        # before, so one client's pipelined cache hits cannot hold the loop for a whole read.
+        self._ran_eagerly = False
 
     def _expired(self, wait: int) -> None:
         if self.transport.is_closing():
@@ -374,6 +377,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         cycle.message_event.set()
 
     def data_received(self, data: bytes) -> None:
+        self._ran_eagerly = False
         super().data_received(data)
         cycle = self._unstarted
         if cycle is not None:  # the body comes in later reads: the request reads it as it streams
@@ -402,7 +406,13 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def _start_eagerly(self, cycle: InferExchange) -> None:
         """The whole request is in: run it here, in this callback, and only if it waits (for an
         upstream) does it get a task. A cache hit or a refusal is written before this returns."""
-        task = start_eagerly(self.loop, cycle.run_asgi(self.app))
+        self._ran_eagerly = True
+        try:
+            task = start_eagerly(self.loop, cycle.run_asgi(self.app))
+        except Exception:  # run_asgi answers its own errors: this is a bug, never a parser error
+            logger.exception("exception starting an infer request")
+            self.transport.close()
+            return
         if task is not None:
             task.add_done_callback(self.tasks.discard)
             self.tasks.add(task)
@@ -438,6 +448,12 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         if target is None:
             return False
         existing = self.cycle
+        if existing is not None:
+            # The answer before this one may still be held for the end of the loop turn (_OneWrite):
+            # it goes out first, since this one may be written before that turn ends.
+            writer = existing.transport
+            if isinstance(writer, _OneWrite):
+                writer.flush()
         cycle = InferExchange(
             self,
             keep_alive=self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive(),
@@ -446,7 +462,10 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         )
         self.cycle = cycle  # type: ignore[assignment]
         if existing is None or existing.response_complete:
-            self._unstarted = cycle  # started by on_message_complete or at the end of this read
+            if self._ran_eagerly:  # one eager start per read: this one gets a task (one turn later)
+                self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]
+            else:
+                self._unstarted = cycle  # started by on_message_complete or at the end of this read
         else:  # pipelined: started when the one before it has answered
             self.flow.pause_reading()
             self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]

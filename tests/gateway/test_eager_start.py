@@ -84,6 +84,140 @@ def test_cancelling_the_task_reaches_the_coroutine_where_it_waits() -> None:
     asyncio.run(main())
 
 
+def test_cancelling_the_task_before_its_first_step_reaches_the_coroutine_where_it_waits() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        upstream: asyncio.Future[str] = loop.create_future()
+        cleaned: list[str] = []
+
+        async def answer() -> None:
+            try:
+                await upstream
+            except asyncio.CancelledError:
+                cleaned.append("cancelled at its wait")
+                raise
+
+        task = start_eagerly(loop, answer())
+        assert task is not None
+        task.cancel()  # in the same turn: the task has not stepped yet
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert cleaned == ["cancelled at its wait"]
+
+    asyncio.run(main())
+
+
+# -- the protocol, in-process (a transport that records writes) -------------------------------------
+
+
+class _Recorded(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+        self.closing = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def answers(self) -> list[bytes]:
+        """Each response's body, in the order written (head and body may share a write)."""
+        stream = b"".join(self.written)
+        return [part.split(b"\r\n\r\n", 1)[1][:6] for part in stream.split(b"HTTP/1.1 ")[1:]]
+
+
+class _App:
+    """Infer answers at once with the model's name; a GET (the ASGI app) waits on `release`."""
+
+    def __init__(self, release: asyncio.Future[None]) -> None:
+        self.release = release
+
+    async def __call__(self, scope: dict[str, object], receive: object, send: object) -> None:
+        await self.release
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"6")]})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b"GET-ok"})  # type: ignore[operator]
+
+    async def infer(self, exchange: object, headers: object, model: str, *rest: object) -> None:
+        await exchange.write(200, [], model.encode().ljust(6, b"."))  # type: ignore[attr-defined]
+
+
+def _protocol(app: object, transport: _Recorded) -> asyncio.Protocol:
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from gateway.fronts.http_protocol import with_header_timeout
+
+    config = uvicorn.Config(
+        app,
+        http=with_header_timeout(10.0),
+        loop="none",
+        lifespan="off",
+        access_log=False,
+        proxy_headers=False,
+        log_config=None,
+    )
+    config.load()
+    protocol = config.http_protocol_class(config=config, server_state=ServerState(), app_state={})
+    protocol.connection_made(transport)
+    return protocol  # type: ignore[no-any-return]
+
+
+def _infer(model: str) -> bytes:
+    return f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{{}}".encode()
+
+
+def test_one_pipelined_read_runs_one_request_eagerly_and_the_rest_in_turn() -> None:
+    async def main() -> None:
+        transport = _Recorded()
+        protocol = _protocol(_App(asyncio.get_running_loop().create_future()), transport)
+        protocol.data_received(_infer("one") + _infer("two") + _infer("three"))
+        assert transport.answers() == [b"one..."]  # answered in the callback; the others wait their turn
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert transport.answers() == [b"one...", b"two...", b"three."]
+        protocol.connection_lost(None)
+
+    asyncio.run(main())
+
+
+def test_an_answer_held_for_the_end_of_the_turn_goes_out_before_the_next_requests() -> None:
+    """A GET's answer (ASGI, held to be joined with others of its loop turn) and an infer request
+    read in that same turn: the infer answer, written at once, must not overtake it."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        release: asyncio.Future[None] = loop.create_future()
+        transport = _Recorded()
+        protocol = _protocol(_App(release), transport)
+        protocol.data_received(b"GET /v2/models/m HTTP/1.1\r\nHost: gw\r\n\r\n")
+        await asyncio.sleep(0)  # the GET's task now waits on `release`
+        release.set_result(None)
+        loop.call_soon(protocol.data_received, _infer("after"))  # queued after the GET's wake-up
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert transport.answers() == [b"GET-ok", b"after."]
+        protocol.connection_lost(None)
+
+    asyncio.run(main())
+
+
 # -- a real gateway --------------------------------------------------------------------------------
 
 ROW = np.linspace(-1, 1, 8, dtype=np.float32).reshape(1, 8)
