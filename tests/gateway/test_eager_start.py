@@ -60,7 +60,8 @@ def test_a_coroutine_that_waits_is_carried_on_by_a_task_in_its_own_context() -> 
     asyncio.run(main())
 
 
-def test_cancelling_the_task_reaches_the_coroutine_where_it_waits() -> None:
+@pytest.mark.parametrize("stepped", [True, False], ids=["while-it-waits", "before-its-first-step"])
+def test_cancelling_the_task_reaches_the_coroutine_where_it_waits(stepped: bool) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         upstream: asyncio.Future[str] = loop.create_future()
@@ -75,34 +76,13 @@ def test_cancelling_the_task_reaches_the_coroutine_where_it_waits() -> None:
 
         task = start_eagerly(loop, answer())
         assert task is not None
-        await asyncio.sleep(0)  # the task now waits on the same future
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert cleaned == ["cancelled at its wait"] and upstream.cancelled()
-
-    asyncio.run(main())
-
-
-def test_cancelling_the_task_before_its_first_step_reaches_the_coroutine_where_it_waits() -> None:
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        upstream: asyncio.Future[str] = loop.create_future()
-        cleaned: list[str] = []
-
-        async def answer() -> None:
-            try:
-                await upstream
-            except asyncio.CancelledError:
-                cleaned.append("cancelled at its wait")
-                raise
-
-        task = start_eagerly(loop, answer())
-        assert task is not None
-        task.cancel()  # in the same turn: the task has not stepped yet
+        if stepped:
+            await asyncio.sleep(0)  # the task now waits on the same future
+        task.cancel()  # else in the same turn: the task has not stepped yet
         with pytest.raises(asyncio.CancelledError):
             await task
         assert cleaned == ["cancelled at its wait"]
+        assert upstream.cancelled() == stepped  # a task cancels the future it waits on
 
     asyncio.run(main())
 
