@@ -26,6 +26,7 @@ from tests.gateway.conftest import (
     launch_gateway,
 )
 from tests.gateway.relay import TcpRelay
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 MAX_BATCH = 8
@@ -373,23 +374,25 @@ def test_bodies_being_received_are_bounded_in_bytes(one_triton, make_gateway) ->
         )
         assert _interim(slow).startswith(b"HTTP/1.1 100 Continue")
         slow.sendall(b" " * 120_000)  # held: 120 KB of an unfinished body
-        for _ in range(50):  # until the gateway has received those bytes
-            status, _, raw = _post(g.http, padded, model="lt_nocache")
-            if status == 503:
-                break
-            assert status == 200, raw
-        assert (status, json.loads(raw)["error"]) == (
+        # Every byte of it counted before the next request: one still being read when the next one
+        # is counted would be the request over the bound (refused, its bytes given back).
+        wait_until(
+            lambda: g.admin()["request_bytes"]["held"] == 120_000, what="the gateway to hold 120,000 bytes"
+        )
+        status, _, raw = _post(g.http, padded, model="lt_nocache")
+        assert (status, json.loads(raw).get("error")) == (
             503,
             "the gateway holds more than 200000 bytes of requests at once "
             "(limits.max_buffered_body_bytes); retry later",
-        )
+        ), raw
         assert _post(g.http, small, model="lt_nocache")[0] == 200  # small bodies still fit
     finally:
         slow.close()
-    for _ in range(50):  # the abandoned upload's bytes are given back once the gateway sees it go
-        if (status := _post(g.http, padded, model="lt_nocache")[0]) == 200:
-            break
-    assert status == 200
+    # The abandoned upload's bytes are given back once the gateway sees it go.
+    wait_until(
+        lambda: g.admin()["request_bytes"]["held"] == 0, what="the abandoned upload's bytes given back"
+    )
+    assert _post(g.http, padded, model="lt_nocache")[0] == 200
 
 
 def test_a_keyless_gzip_body_is_refused_before_it_is_read_or_inflated(one_triton, make_gateway) -> None:
