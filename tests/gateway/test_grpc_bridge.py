@@ -103,3 +103,81 @@ def test_a_stalled_message_is_cut_off_and_big_ones_are_bounded(tmp_path: Path) -
     assert b"grpc-status: %d" % grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] in big
     assert b"limits.max_request_bytes" in big
     assert b"limits.max_buffered_body_bytes" in second
+
+
+class _Recorded(asyncio.Transport):
+    """The bridge's end of HAProxy's connection, in process: what the bridge writes, and when."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.closing = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += bytes(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+
+def _bridge(handler: Any) -> tuple[Any, _Recorded]:
+    from gateway.fronts.grpc_bridge import BridgeProtocol
+
+    protocol = BridgeProtocol(BridgeServer({"Who": handler}, "test.Svc", LimitsConfig()))
+    transport = _Recorded()
+    protocol.connection_made(transport)
+    return protocol, transport
+
+
+def test_a_call_that_never_waits_is_answered_from_the_callback_without_a_task() -> None:
+    async def main() -> None:
+        async def cached(request: bytes, context: Any) -> bytes:
+            return b"hit:" + request
+
+        protocol, transport = _bridge(cached)
+        tasks_before = len(asyncio.all_tasks())
+        protocol.data_received(_chunked(b"a") + _chunked(b"b"))  # two calls in one read, as pooled
+        assert transport.written.count(b"grpc-status: 0") == 2  # both written before the read returned
+        assert b"hit:a" in transport.written and b"hit:b" in transport.written
+        assert transport.written.index(b"hit:a") < transport.written.index(b"hit:b")
+        assert protocol.task is None and len(asyncio.all_tasks()) == tasks_before
+        protocol.connection_lost(None)
+
+    asyncio.run(main())
+
+
+def test_a_call_that_waits_goes_on_in_a_task_and_a_reset_before_its_first_step_cancels_it() -> None:
+    async def main() -> list[str]:
+        loop = asyncio.get_running_loop()
+        upstream: asyncio.Future[bytes] = loop.create_future()
+        seen: list[str] = []
+
+        async def waits(request: bytes, context: Any) -> bytes:
+            seen.append("sent")  # the upstream request goes out in the callback
+            try:
+                return await upstream
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+
+        protocol, transport = _bridge(waits)
+        protocol.data_received(_chunked(b"x"))
+        assert seen == ["sent"] and transport.written == b"" and protocol.task is not None
+        upstream.set_result(b"answer")
+        await protocol.task
+        assert b"answer" in transport.written and b"grpc-status: 0" in transport.written
+
+        # The client resets its stream (HAProxy closes the connection) before the task ever ran.
+        again, transport = _bridge(waits)
+        upstream = loop.create_future()
+        again.data_received(_chunked(b"y"))
+        task = again.task
+        again.connection_lost(None)
+        await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled() and transport.written == b""
+        return seen
+
+    assert asyncio.run(main()) == ["sent", "sent", "cancelled"]
