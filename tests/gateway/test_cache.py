@@ -201,7 +201,13 @@ def test_identical_concurrent_requests_reach_triton_once(fleet, make_gateway) ->
 def test_redis_is_shared_by_two_gateways_and_tampering_is_rejected(
     fleet, make_gateway, redis_url: str
 ) -> None:
-    cache = {"backend": "redis", "redis_url": redis_url, "hmac_secret": SECRET, "namespace": "t1"}
+    cache = {
+        "backend": "redis",
+        "redis_url": redis_url,
+        "hmac_secret": SECRET,
+        "namespace": "t1",
+        "redis_timeout_s": 5.0,  # a slow lookup on a loaded CI machine would read as a miss
+    }
     gw1 = make_gateway(gateway_config(fleet, cache=cache))
     gw2 = make_gateway(gateway_config(fleet, cache=cache))
     x = _row(400)

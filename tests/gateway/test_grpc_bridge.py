@@ -86,16 +86,23 @@ def test_a_stalled_message_is_cut_off_and_big_ones_are_bounded(tmp_path: Path) -
                 b"POST /test.Svc/Who HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
                 + b"%x\r\n" % 800 + framed[:800] + b"\r\n"
             )  # fmt: skip
-            r1, w1 = await asyncio.open_unix_connection(str(tmp_path / "w.sock"))
+        finally:
+            await server.stop()
+        # The bound part on its own server with a long read timeout: the first upload must still be
+        # held, not cut off as stalled, when the second one arrives.
+        patient = await _serve(tmp_path / "p.sock", limits.model_copy(update={"body_read_timeout_s": 30.0}))
+        try:
+            r1, w1 = await asyncio.open_unix_connection(str(tmp_path / "p.sock"))
             w1.write(opening)
             await w1.drain()
-            while server.budget.held < 800:
-                await asyncio.sleep(0.01)
-            second = await _exchange(tmp_path / "w.sock", opening, wait_close=True)
+            async with asyncio.timeout(10):
+                while patient.budget.held < 800:
+                    await asyncio.sleep(0.01)
+            second = await _exchange(tmp_path / "p.sock", opening, wait_close=True)
             w1.close()
             return stalled, big, second
         finally:
-            await server.stop()
+            await patient.stop()
 
     stalled, big, second = asyncio.run(main())
     assert b"grpc-status: %d" % grpc.StatusCode.DEADLINE_EXCEEDED.value[0] in stalled

@@ -433,6 +433,7 @@ def test_a_keys_quota_is_shared_by_two_replicas(solo, make_gateway, redis_url: s
             "hmac_secret": SECRET,
             "namespace": "q-" + uuid.uuid4().hex[:8],
             "models": ["lt"],
+            "redis_timeout_s": 5.0,  # a loaded CI machine must not turn the shared quota local
         },
     }
     gw1 = make_gateway(gateway_config(solo, **cfg))

@@ -128,6 +128,7 @@ def test_cache_entries_and_rate_limits_are_shared_across_workers(
                 "namespace": f"workers{os.getpid()}",
                 "hmac_secret": secrets.token_hex(32),
                 "models": ["lt"],
+                "redis_timeout_s": 5.0,  # a loaded CI machine must not turn a shared count local
             },
             limits={"per_client_rate_per_s": 0.001, "per_client_burst": 6},
         )
