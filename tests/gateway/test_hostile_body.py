@@ -190,28 +190,44 @@ def test_large_json_body_does_not_stall_other_requests(one_triton, gw) -> None:
     ).encode()
     assert len(big) > 9_000_000
     small = f'{{"inputs":[{_input(_row(30))}]}}'.encode()
-    big_done = threading.Event()
-    big_result: list[tuple[int, bytes]] = []
+    # The probe is a cache hit, so its answer needs only the event loop, not Triton: a probe that
+    # waited on Triton could lose the race to the big body's parse on a slow machine.
+    _post(gw.http, small, model="lt")
+    wait_until(
+        lambda: _post(gw.http, small, model="lt")[1].get("x-skewserve-cache") == "hit", 10, "a cached probe"
+    )
 
-    def send_big() -> None:
-        status, _, raw = _post(gw.http, big, model="lt")
-        big_result.append((status, raw))
-        big_done.set()
+    def attempt() -> tuple[tuple[int, bytes], list[str]]:
+        big_done = threading.Event()
+        big_result: list[tuple[int, bytes]] = []
 
-    sender = threading.Thread(target=send_big)
-    sender.start()
-    events: list[str] = []
-    deadline = time.monotonic() + 120
-    while not big_done.is_set() and time.monotonic() < deadline:
-        if gw.admin()["inflight"] >= 1 and not big_done.is_set():
-            events.append("big request in flight (body read)")
-            status, _, _ = _post(gw.http, small, model="lt_nocache")
-            if status == 200 and not big_done.is_set():
-                events.append("other request answered")
-                break
-    sender.join(120)
-    assert big_result and big_result[0][0] == 400
-    assert "above the gateway limit of 8" in json.loads(big_result[0][1])["error"]
+        def send_big() -> None:
+            status, _, raw = _post(gw.http, big, model="lt")
+            big_result.append((status, raw))
+            big_done.set()
+
+        sender = threading.Thread(target=send_big)
+        sender.start()
+        events: list[str] = []
+        deadline = time.monotonic() + 120
+        while not big_done.is_set() and time.monotonic() < deadline:
+            if gw.admin()["inflight"] >= 1 and not big_done.is_set():
+                events.append("big request in flight (body read)")
+                status, headers, _ = _post(gw.http, small, model="lt")
+                if status == 200 and headers.get("x-skewserve-cache") == "hit" and not big_done.is_set():
+                    events.append("other request answered")
+                    break
+        sender.join(120)
+        assert big_result, "the big request got no answer"
+        return big_result[0], events
+
+    # A parse that ends before the probe is sent proves nothing either way: try again, bounded.
+    for _ in range(3):
+        (status, raw), events = attempt()
+        assert status == 400
+        assert "above the gateway limit of 8" in json.loads(raw)["error"]
+        if events[-1:] == ["other request answered"]:
+            break
     assert events[-2:] == ["big request in flight (body read)", "other request answered"], events
 
 

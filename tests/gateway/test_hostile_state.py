@@ -394,7 +394,8 @@ def test_redis_paused_killed_and_restarted_never_fails_a_request(solo, make_gate
     x0 = _row(1)
     assert ok_request(x0) == "miss"
     wait_until(lambda: bool(own_redis.client().keys("faults:*")), 10, "the background write")
-    assert ok_request(x0) == "hit"
+    # A lookup past the 0.1 s bound on a loaded machine reads as a miss: wait for the hit.
+    wait_until(lambda: ok_request(x0) == "hit", 10, "the stored answer to be served")
 
     # A pause that ends by itself: while paused Redis holds every command, a connecting client's too.
     own_redis.client().execute_command("CLIENT", "PAUSE", "3000", "ALL")
@@ -402,7 +403,9 @@ def test_redis_paused_killed_and_restarted_never_fails_a_request(solo, make_gate
     for _ in range(3):
         ok_request()
     until_breaker("closed", "after the pause ended")
-    assert _metric(gw.metrics(), "skewserve_gateway_redis_breaker_opened_total") == 1
+    # At least once: a loaded machine can also open it on a slow call before the pause.
+    opened = _metric(gw.metrics(), "skewserve_gateway_redis_breaker_opened_total")
+    assert opened >= 1
 
     own_redis.kill()
     until_breaker("open", "with redis killed")
@@ -410,7 +413,7 @@ def test_redis_paused_killed_and_restarted_never_fails_a_request(solo, make_gate
         ok_request()
     own_redis.start()  # same port, empty
     until_breaker("closed", "after redis restarted")
-    assert _metric(gw.metrics(), "skewserve_gateway_redis_breaker_opened_total") == 2
+    assert _metric(gw.metrics(), "skewserve_gateway_redis_breaker_opened_total") > opened
     x1 = _row(2)
     assert ok_request(x1) == "miss"
     # Other misses' writes may land too (the breaker closed mid-loop): wait for this entry, read back.
