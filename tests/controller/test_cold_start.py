@@ -179,7 +179,7 @@ def test_a_model_another_gateway_evicted_is_loaded_again_for_a_request_routed_to
                     home="r",
                     cache={"models": []},
                     cold_start=ask,
-                    health={"interval_s": 600},
+                    health={"interval_s": 600, "timeout_s": 10},
                 ),
                 tmp_path / "gw-a",
             )

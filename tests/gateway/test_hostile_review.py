@@ -378,7 +378,7 @@ def test_grpc_messages_held_at_once_are_bounded_in_bytes(one_triton, make_gatewa
         gateway_config(
             one_triton,
             limits=limits,
-            health={"interval_s": 60.0, "eject_after_failures": 1000},
+            health={"interval_s": 60.0, "timeout_s": 10, "eject_after_failures": 1000},
             retries={"max_attempts": 1},
         )
     )
@@ -514,7 +514,7 @@ def test_bytes_a_compressed_body_may_inflate_to_count_against_the_buffer(one_tri
         gateway_config(
             one_triton,
             limits=limits,
-            health={"interval_s": 60.0, "eject_after_failures": 1000},
+            health={"interval_s": 60.0, "timeout_s": 10, "eject_after_failures": 1000},
             retries={"max_attempts": 1},
         )
     )

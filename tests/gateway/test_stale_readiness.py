@@ -29,7 +29,9 @@ def test_requests_in_the_gap_after_an_unload_go_to_a_server_that_holds_the_model
     )
     try:
         # probes far apart: the gateway still believes both servers hold the model after the unload
-        gw = make_gateway(gateway_config(fleet, health={"interval_s": 600}, cache={"models": []}))
+        gw = make_gateway(
+            gateway_config(fleet, health={"interval_s": 600, "timeout_s": 10}, cache={"models": []})
+        )
         assert all("lt_nocache" in s["models"] for s in gw.admin()["servers"])
         # a client whose bad request makes Triton's error repeat "unknown model" (its request id)
         # changes nothing for anyone: the servers are asked before a model is forgotten
