@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from controller.fleet import ControlledServer
 from controller.reconcile import Controller
 from controller.rollout import rollback, rollout
 from exporter.pipeline import export_artifact
@@ -34,6 +35,7 @@ def test_promotion_reaches_every_server_and_a_rollback_survives_a_restart(
     store = DiskStateStore(repo)
     first = [controlled_server(repo, n, logs, prepared_triton) for n in ("a", "b")]
     servers: list[TritonServer] = []
+    outside: list[TritonServer] = []  # started, not (yet) in `servers`: stopped at the end too
     gw = None
     try:
         for s in first:
@@ -69,21 +71,33 @@ def test_promotion_reaches_every_server_and_a_rollback_survives_a_restart(
         watcher = threading.Thread(target=watch_rotation)
         load = SteadyLoad(gw.http).start()
         watcher.start()
-        # a server that appears mid-rollout (here: once the first server passed) is checked too
-        joiner = controlled_server(repo, "joiner", logs, prepared_triton).start()
-        result: dict[str, Any] = {}
-        rolling = threading.Thread(
-            target=lambda: result.update(done=rollout(store, "lt", 2, as_controlled(servers), KEY, CFG))
-        )
-        rolling.start()
+        # a server that appears mid-rollout (here: once the first server passed) is checked too; it
+        # appears in the rollout's own discovery, so no thread race decides whether it is seen
+        joiner = controlled_server(repo, "joiner", logs, prepared_triton)
+        outside.append(joiner)
+        joiner.start()
 
         def first_passed() -> bool:
             st = store.current("lt")
             return st is not None and st.canary is not None and bool(st.canary.passed)
 
-        wait_until(first_passed, 120, "the canary passed on a first server")
-        servers.append(joiner)
+        known, joining = as_controlled(servers), as_controlled([joiner])
+        joined = threading.Event()
+
+        def discover() -> list[ControlledServer]:
+            if joined.is_set() or first_passed():
+                joined.set()  # once found, it stays found (the canary ends with it)
+                return known() + joining()
+            return known()
+
+        result: dict[str, Any] = {}
+        rolling = threading.Thread(
+            target=lambda: result.update(done=rollout(store, "lt", 2, discover, KEY, CFG))
+        )
+        rolling.start()
         rolling.join(timeout=300)
+        servers.append(joiner)
+        assert joined.is_set(), "the rollout never looked for servers after its first one passed"
         done = result["done"]
         assert done.state.served == [2] and done.state.versions[1].state == "retired"
         assert sum("joiner: lt version 2 ready in" in step for step in done.steps) == 1, done.steps
@@ -108,5 +122,5 @@ def test_promotion_reaches_every_server_and_a_rollback_survives_a_restart(
     finally:
         if gw is not None:
             gw.stop()
-        for s in servers + first:
+        for s in servers + first + outside:
             s.stop()

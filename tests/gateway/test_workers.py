@@ -130,7 +130,14 @@ def test_cache_entries_and_rate_limits_are_shared_across_workers(
                 "models": ["lt"],
                 "redis_timeout_s": 5.0,  # a loaded CI machine must not turn a shared count local
             },
-            limits={"per_client_rate_per_s": 0.001, "per_client_burst": 6},
+            limits={
+                "per_client_rate_per_s": 0.001,
+                "per_client_burst": 6,
+                # the 12 connections are opened first and used afterwards: on a loaded machine the
+                # first ones must not be closed as idle before their request is sent
+                "header_read_timeout_s": 120,
+                "keep_alive_timeout_s": 120,
+            },
         )
     )
     assert len(workers_of(gw)) == 2
