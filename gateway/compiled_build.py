@@ -40,15 +40,20 @@ BUILDS = ("compiled", "pure")
 # The request path of both fronts, measured module by module (benchmarks/gateway_bench.py `steps`,
 # docs/benchmarks.md): the pipeline's steps, the JSON body reader, the HTTP exchange, cache keying,
 # routing and the balancer, the dispatcher's retry/hedge bookkeeping, admission's limits and keys,
-# metrics recording. Interpreted: modules that subclass a library's classes (the uvicorn protocol,
-# grpc.aio servicers), the errors (their subclasses override class attributes, which compiled
-# classes do not allow), FastAPI's routes (it reads their signatures), the JSON reader (a large
+# metrics recording, and the gRPC worker's own path (the bridge, the front and its ModelInfer wire,
+# the conversion to Triton's HTTP port). Interpreted: modules that subclass a library's classes (the
+# uvicorn protocol), the errors (their subclasses override class attributes, which compiled classes
+# do not allow; and a class built on a C extension's class, grpc's Cython AbortError for one, compiles
+# but crashes when used), FastAPI's routes (it reads their signatures), the JSON reader (a large
 # header's walk runs in a worker thread and gives the event loop the GIL at the interpreter's switch
 # interval, which compiled code never does; its small headers are read by orjson, in C already),
 # and what only runs at start-up.
 COMPILED: tuple[str, ...] = (
     "gateway/forward_headers.py",
     "gateway/fronts/connection_timer.py",
+    "gateway/fronts/grpc_bridge.py",
+    "gateway/fronts/grpc_front.py",
+    "gateway/fronts/grpc_infer.py",
     "gateway/fronts/http_infer.py",
     "gateway/fleet/balancer.py",
     "gateway/fleet/dispatch.py",
@@ -70,6 +75,7 @@ COMPILED: tuple[str, ...] = (
     "gateway/state/cache.py",
     "gateway/state/coalesce.py",
     "gateway/state/limits.py",
+    "gateway/upstream/grpc_over_http.py",
     "gateway/upstream/http_client.py",
     "gateway/upstream/server.py",
 )

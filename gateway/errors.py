@@ -17,6 +17,7 @@ GatewayError
 from __future__ import annotations
 
 import grpc
+import grpc.aio
 
 
 class GatewayError(Exception):
@@ -147,3 +148,15 @@ class UnsupportedEncoding(ClientError):
     """A Content-Encoding neither the gateway nor Triton can read."""
 
     http_status = 415
+
+
+# Here, with the interpreted errors, rather than beside the bridge that raises it: a compiled class
+# cannot derive from a library's exception (mypyc builds such a subclass that crashes when raised).
+class BridgeAbort(grpc.aio.AbortError):
+    """Raised by the gRPC bridge's `BridgeContext.abort` (gateway/fronts/grpc_bridge.py): the call
+    ends with this status, as grpc.aio's abort does."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, details)
+        self.code = code
+        self.details = details

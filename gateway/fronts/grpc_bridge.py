@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import grpc.aio
 import httptools
 
 from gateway.config import LimitsConfig
-from gateway.errors import GatewayError, UnsupportedEncoding, grpc_code_for
+from gateway.errors import BridgeAbort, GatewayError, UnsupportedEncoding, grpc_code_for
 from gateway.fronts.connection_timer import ConnectionTimer
 from gateway.fronts.infer_body import inflate, inflate_cap
 from gateway.state.body_budget import BodyBudget
@@ -56,15 +55,6 @@ _NOT_METADATA = frozenset(
 _TIMEOUT = re.compile(r"^([0-9]{1,8})([HMSmun])$")
 _UNIT_S = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 _RESPONSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ntransfer-encoding: chunked\r\n\r\n"
-
-
-class BridgeAbort(grpc.aio.AbortError):
-    """Raised by `BridgeContext.abort`: the call ends with this status (as grpc.aio's abort does)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(code, details)
-        self.code = code
-        self.details = details
 
 
 class BridgeContext:

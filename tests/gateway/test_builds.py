@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import gzip
 import http.client
+import importlib
 import json
 import os
 import subprocess
@@ -124,6 +125,33 @@ def test_compiled_modules_give_each_caught_exception_type_its_own_name() -> None
                 f"{path}:{fn.lineno} {fn.name}: {n} {sorted(t)}" for n, t in types.items() if len(t) > 1
             ]
     assert not clashes, "\n".join(clashes)
+
+
+def _from_an_extension_module(cls: type) -> bool:
+    """A class a C extension defines (Cython's, for one), other than Python's builtins and our own."""
+    if cls.__module__ == "builtins" or cls.__module__.split(".")[0] == "gateway":
+        return False
+    source = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
+    return source.endswith(EXT_SUFFIX) or source.endswith(".so")
+
+
+def test_no_compiled_class_derives_from_an_extension_modules_class() -> None:
+    """mypyc cannot build on such a base (its docs: most non-native extension classes cannot be base
+    classes), and does not say so: the class compiles and crashes the process when used (seen: the
+    gRPC bridge's abort, a subclass of grpc's Cython AbortError, killed its worker on the first
+    refused call). Such classes live in interpreted modules (gateway/errors.py); Python classes such
+    as asyncio.Protocol are fine bases."""
+    offenders = []
+    for path in compiled_build.COMPILED:
+        module = importlib.import_module(compiled_build.module_name(path))
+        for node in ast.parse((ROOT / path).read_text()).body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for expr in node.bases:
+                base = eval(ast.unparse(expr), vars(module))  # noqa: S307 (our own source's names)
+                if isinstance(base, type) and any(_from_an_extension_module(c) for c in base.__mro__):
+                    offenders.append(f"{path}:{node.lineno} {node.name}({ast.unparse(expr)})")
+    assert not offenders, "\n".join(offenders)
 
 
 # --- the two builds side by side, against one real Triton ---------------------------------------
