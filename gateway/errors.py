@@ -151,7 +151,8 @@ class UnsupportedEncoding(ClientError):
 
 
 # Here, with the interpreted errors, rather than beside the bridge that raises it: a compiled class
-# cannot derive from a library's exception (mypyc builds such a subclass that crashes when raised).
+# cannot derive from a C extension's class (mypyc builds a subclass of grpc's Cython AbortError that
+# crashes when raised; tests/gateway/test_builds.py checks every compiled class's bases).
 class BridgeAbort(grpc.aio.AbortError):
     """Raised by the gRPC bridge's `BridgeContext.abort` (gateway/fronts/grpc_bridge.py): the call
     ends with this status, as grpc.aio's abort does."""

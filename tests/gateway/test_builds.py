@@ -8,6 +8,7 @@ import ast
 import gzip
 import http.client
 import importlib
+import importlib.machinery
 import json
 import os
 import subprocess
@@ -132,7 +133,7 @@ def _from_an_extension_module(cls: type) -> bool:
     if cls.__module__ == "builtins" or cls.__module__.split(".")[0] == "gateway":
         return False
     source = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
-    return source.endswith(EXT_SUFFIX) or source.endswith(".so")
+    return source.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
 
 
 def test_no_compiled_class_derives_from_an_extension_modules_class() -> None:
