@@ -40,7 +40,7 @@ BUILDS = ("compiled", "pure")
 # The request path of both fronts, measured module by module (benchmarks/gateway_bench.py `steps`,
 # docs/benchmarks.md): the pipeline's steps, the JSON body reader, the HTTP exchange, cache keying,
 # routing and the balancer, the dispatcher's retry/hedge bookkeeping, admission's limits and keys,
-# metrics recording, and the gRPC worker's own path (the bridge, the front and its ModelInfer wire,
+# metrics recording (and its tallies), and the gRPC worker's own path (the bridge, the front and its ModelInfer wire,
 # the conversion to Triton's HTTP port). Interpreted: modules that subclass a library's classes (the
 # uvicorn protocol), the errors (their subclasses override class attributes, which compiled classes
 # do not allow; and a class built on a C extension's class, grpc's Cython AbortError for one, compiles
@@ -60,6 +60,7 @@ COMPILED: tuple[str, ...] = (
     "gateway/fleet/router.py",
     "gateway/operations/metrics.py",
     "gateway/operations/step_costs.py",
+    "gateway/operations/tallies.py",
     "gateway/pipeline/admission.py",
     "gateway/pipeline/answer_classes.py",
     "gateway/pipeline/cache_alias.py",

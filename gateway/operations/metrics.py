@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway import compiled_build
+from gateway.operations.tallies import TallyCollector, TallyCounter, TallyHistogram
 
 OTHER_MODEL = "__other__"
 DEPARTED_SERVER = "__departed__"
@@ -173,29 +174,28 @@ class GatewayMetrics:
             ["build"],
             registry=r,
         ).labels(compiled_build.active()).set(1)
-        self._requests = Counter(
+        # The four metrics every request updates are tallies (gateway/operations/tallies.py).
+        self._requests = TallyCounter(
             "skewserve_gateway_requests_total",
             "Requests by model, region, server, protocol and status",
             ["model", "region", "server", "protocol", "status"],
-            registry=r,
         )
-        self._latency = Histogram(
+        self._latency = TallyHistogram(
             "skewserve_gateway_request_seconds",
             "End-to-end gateway latency",
             ["model", "protocol"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self._upstream = Histogram(
+        self._upstream = TallyHistogram(
             "skewserve_gateway_upstream_seconds",
             "Upstream call latency",
             ["region", "server"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self._cache = Counter(
-            "skewserve_gateway_cache_requests_total", "Cache lookups", ["model", "result"], registry=r
+        self._cache = TallyCounter(
+            "skewserve_gateway_cache_requests_total", "Cache lookups", ["model", "result"]
         )
+        r.register(TallyCollector([self._requests, self._latency, self._upstream, self._cache]))
         self._cache_bytes = Counter(
             "skewserve_gateway_cache_stored_bytes_total", "Bytes written to the cache", ["model"], registry=r
         )
@@ -294,7 +294,7 @@ class GatewayMetrics:
         # Servers in the fleet (a name can be held twice while an old server drains and a new one
         # with its name joins), and where each per-server metric keeps its region and server labels.
         self._fleet: Tally[tuple[str, str]] = Tally()
-        self._per_server = {
+        self._per_server: dict[int, tuple[Any, int, int]] = {
             id(self._requests): (self._requests, 1, 2),
             id(self._upstream): (self._upstream, 0, 1),
             id(self._ejections): (self._ejections, 0, 1),
