@@ -27,7 +27,7 @@ LOCK_ARGS ?=
 # runs the suite on the Python sources even where the extension modules exist.
 GATEWAY_BUILD ?= compiled
 
-.PHONY: setup gateway-build demo test test-latest lock lock-upgrade lint bench-training bench-gateway bench-placement bench-cascade chaos clean
+.PHONY: setup gateway-build demo test test-latest lock lock-upgrade lint bench-training bench-gateway bench-gateway-goals bench-placement bench-cascade chaos clean
 
 setup: $(STAMP) $(APT_STAMP) $(if $(filter compiled,$(GATEWAY_BUILD)),gateway-build)
 
@@ -130,6 +130,13 @@ bench-training: setup
 
 bench-gateway: setup
 	$(BIN)/python benchmarks/gateway_bench.py
+
+# Issue 39's goals in ROUNDS alternating rounds (benchmarks/gateway_goals.py): each ratio's median and range;
+# AGAINST=NAME=DIR adds another checkout's gateway to every round. About a minute per round on 2 cores.
+ROUNDS ?= 5
+AGAINST ?=
+bench-gateway-goals: setup
+	$(BIN)/python benchmarks/gateway_goals.py --rounds $(ROUNDS) $(if $(AGAINST),--against $(AGAINST))
 
 bench-placement: setup
 	$(BIN)/python benchmarks/placement_bench.py

@@ -432,14 +432,14 @@ def section_hop(bench: Bench, gw: Gateway) -> None:
         ("HTTP throughput at c8, gateway / HAProxy", lambda h, g, c: h.ratio / ha_http.ratio, ">= 0.85"),
         (
             "HTTP added median at c1, gateway / HAProxy",
-            lambda h, g, c: _ratio(h.added_ms, ha_http.added_ms),
+            lambda h, g, c: floored_ratio(h.added_ms, ha_http.added_ms),
             "<= 2",
         ),
         ("gRPC CPU per request, gateway / HAProxy h2", lambda h, g, c: g.cpu_us / ha_grpc.cpu_us, "<= 2.5"),
         ("gRPC throughput at c8, gateway / HAProxy h2", lambda h, g, c: g.ratio / ha_grpc.ratio, ">= 0.8"),
         (
             "gRPC added median at c1, gateway / HAProxy h2",
-            lambda h, g, c: _ratio(g.added_ms, ha_grpc.added_ms),
+            lambda h, g, c: floored_ratio(g.added_ms, ha_grpc.added_ms),
             "<= 2",
         ),
         ("HTTP cache hit CPU at c8 / bare Python per request", lambda h, g, c: c / bare.cpu_us, "<= 1"),
@@ -453,8 +453,8 @@ def section_hop(bench: Bench, gw: Gateway) -> None:
             f"(ModelInfer to Triton's HTTP port) at {gw_grpc.cpu_us / ha_grpc.cpu_us:.2f}x HAProxy h2's CPU per "
             f"call and {gw_grpc.ratio / ha_grpc.ratio:.2f}x its throughput, against the HAProxy relay "
             f"(`data_plane`) at {relayed.cpu_us / ha_grpc.cpu_us:.2f}x and {relayed.ratio / ha_grpc.ratio:.2f}x; "
-            f"added median {_ratio(gw_grpc.added_ms, ha_grpc.added_ms):.2f}x against "
-            f"{_ratio(relayed.added_ms, ha_grpc.added_ms):.2f}x. The relay's CPU per call by process: "
+            f"added median {floored_ratio(gw_grpc.added_ms, ha_grpc.added_ms):.2f}x against "
+            f"{floored_ratio(relayed.added_ms, ha_grpc.added_ms):.2f}x. The relay's CPU per call by process: "
             + ", ".join(
                 f"{name} {us:.0f} µs" for name, us in sorted(relayed_split.items(), key=lambda kv: -kv[1])
             ),
@@ -575,7 +575,7 @@ def section_steps(bench: Bench) -> None:
     print("| upstream wait (not CPU) | " + " | ".join(f"{rows[n]['upstream']:.1f}" for n in names) + " |")
 
 
-def _ratio(a: float, b: float) -> float:
+def floored_ratio(a: float, b: float) -> float:
     # Added medians of a few tens of microseconds: floor the reference so noise cannot divide by ~0.
     return max(a, 0.0) / max(b, 0.02)
 

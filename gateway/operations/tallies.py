@@ -110,11 +110,15 @@ class TallyHistogram(_Family):
         self, name: str, documentation: str, labelnames: Sequence[str], buckets: Iterable[float]
     ) -> None:
         super().__init__("histogram", name, documentation, labelnames)
+        if "le" in self.labelnames:
+            raise ValueError(f"{name}: `le` is the bucket label of a histogram, not one of its label names")
         bounds = [float(b) for b in buckets]
         if bounds != sorted(bounds):
             raise ValueError(f"{name}: buckets must be in increasing order, got {bounds!r}")
         if not bounds or bounds[-1] != math.inf:
             bounds.append(math.inf)
+        if len(bounds) < 2:
+            raise ValueError(f"{name}: a histogram needs at least one bucket below +Inf")
         self.bounds = bounds
         self.children: dict[tuple[str, ...], HistogramChild] = {}
 
@@ -139,7 +143,8 @@ class TallyHistogram(_Family):
                 seen += n
                 metric.add_sample(self.name + "_bucket", {**labels, "le": le}, seen)
             metric.add_sample(self.name + "_count", labels, seen)
-            metric.add_sample(self.name + "_sum", labels, child.total)
+            if self.bounds[0] >= 0:  # as prometheus_client: no sum once negative values can be observed
+                metric.add_sample(self.name + "_sum", labels, child.total)
             if created:
                 metric.add_sample(self.name + "_created", labels, child.created)
         return metric
