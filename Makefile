@@ -132,7 +132,7 @@ bench-gateway: setup
 	$(BIN)/python benchmarks/gateway_bench.py
 
 # Issue 39's goals in ROUNDS alternating rounds (benchmarks/gateway_goals.py): each ratio's median and range;
-# AGAINST=NAME=DIR adds another checkout's gateway to every round. About a minute per round on 2 cores.
+# AGAINST=NAME=DIR (one) adds another checkout's gateway to every round. About a minute per round on 2 cores.
 ROUNDS ?= 5
 AGAINST ?=
 bench-gateway-goals: setup

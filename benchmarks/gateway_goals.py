@@ -1,15 +1,16 @@
 """Issue 39's goals in alternating rounds: each ratio per round, then its median and range.
 
 `gateway_bench.py --only hop` measures each path once, one after another; on a shared machine its
-references moved by a quarter between two runs of the same day, and a goal's ratio with them. Here
+ratios moved by up to a third between two runs of the same day. Here
 every path the goals compare is measured once per round, in an order reversed every round, and a
 round's ratios use only that round's figures, taken seconds apart. The median over rounds is what a
 goal is read against; the range shows how far one round alone could mislead.
 
 Paths: the gateway in both builds (compiled, pure), HAProxy 2.8 pass-through (HTTP/1.1 and h2), the
 bare Python pass-through (uvloop + httptools), direct Triton (for the added medians). `--against
-NAME=DIR` adds the gateway of another checkout (its build as its own `make setup` left it) to every
-round: how a change is measured against the code before it.
+NAME=DIR` adds the gateway of another checkout (its sources and compiled extensions, which its own
+`make setup` built, run by this checkout's Python and libraries) to every round: how a change is
+measured against the code before it.
 
 Ratios (issue 39): HTTP CPU per request / bare Python (<= 2); HTTP throughput at c8 / HAProxy
 (>= 0.85); HTTP added median at c1 / HAProxy (<= 2); gRPC CPU per call / HAProxy h2 (<= 2.5); gRPC
@@ -26,6 +27,7 @@ import argparse
 import contextlib
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -53,6 +55,7 @@ from skewserve.ports import free_port  # noqa: E402
 from skewserve.triton_process import TritonServer, TritonServerSpec  # noqa: E402
 
 MODEL, CACHED_MODEL = "bench", "bench_gwcache"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,7 @@ def measure_round(paths: list[Measured], secs: float, reverse: bool) -> dict[str
             ready(p)
             load(protocol, address, MODEL, 8, min(0.5, secs))  # connections open, the machine warm
             result, cpu = measured_load(protocol, address, MODEL, 8, secs, p.pid)
-            setattr(out[p.name], f"{protocol}_rps", result.requests / secs)
+            setattr(out[p.name], f"{protocol}_rps", result.rps)
             setattr(out[p.name], f"{protocol}_cpu", cpu)
     for p in order:
         if p.gateway is not None:
@@ -199,14 +202,17 @@ def report(rounds: list[dict[str, Figures]], gateways: list[str]) -> None:
 
 @contextlib.contextmanager
 def gateways(bench: Bench, against: dict[str, Path]) -> Iterator[list[Gateway]]:
-    """This checkout's gateway in both builds, then each other checkout's (started from its own tree)."""
+    """This checkout's gateway in both builds, then each other checkout's, each started from its own
+    tree: `python -m gateway` imports the gateway of its working directory."""
     started: list[Gateway] = []
     try:
-        started.append(Gateway(bench.local(), bench.work, "compiled", build="compiled"))
-        started.append(Gateway(bench.local(), bench.work, "pure", build="pure"))
-        for name, tree in against.items():
-            with contextlib.chdir(tree):  # `python -m gateway` imports the gateway of its working directory
-                started.append(Gateway(bench.local(), bench.work, name, build="compiled"))
+        for name, tree, build in [
+            ("compiled", ROOT, "compiled"),
+            ("pure", ROOT, "pure"),
+            *((name, tree, "compiled") for name, tree in against.items()),
+        ]:
+            with contextlib.chdir(tree):
+                started.append(Gateway(bench.local(), bench.work, name, build=build))
         yield started
     finally:
         for gw in started:
@@ -240,10 +246,18 @@ def run(bench: Bench, rounds: int, against: dict[str, Path]) -> None:
 def parse_against(text: str) -> tuple[str, Path]:
     name, sep, tree = text.partition("=")
     path = Path(tree).resolve()
-    if not sep or not name or not (path / "gateway" / "__main__.py").is_file():
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
         raise argparse.ArgumentTypeError(
-            f"--against takes NAME=DIR, DIR a checkout with a gateway/; got {text!r}"
+            f"--against takes NAME=DIR, NAME of letters, digits, - and _; got {text!r}"
         )
+    if not (path / "gateway" / "__main__.py").is_file():
+        raise argparse.ArgumentTypeError(f"--against {text!r}: {path} is not a checkout with a gateway/")
+    if not (path / "gateway" / "compiled.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"--against {text!r}: {path} has no compiled gateway build: run `make setup` there first"
+        )
+    if path == ROOT:
+        raise argparse.ArgumentTypeError(f"--against {text!r}: that is this checkout, measured already")
     if name in {"compiled", "pure", "haproxy", "bare", "direct"}:
         raise argparse.ArgumentTypeError(
             f"--against: {name!r} names a path of this benchmark; choose another"
