@@ -40,8 +40,8 @@ BUILDS = ("compiled", "pure")
 # The request path of both fronts, measured module by module (benchmarks/gateway_bench.py `steps`,
 # docs/benchmarks.md): the pipeline's steps, the JSON body reader, the HTTP exchange, cache keying,
 # routing and the balancer, the dispatcher's retry/hedge bookkeeping, admission's limits and keys,
-# metrics recording (and its tallies), and the gRPC worker's own path (the bridge, the front and its ModelInfer wire,
-# the conversion to Triton's HTTP port). Interpreted: modules that subclass a library's classes (the
+# metrics recording and its tallies, and the gRPC worker's own path (the bridge, the front and its
+# ModelInfer wire, the conversion to Triton's HTTP port). Interpreted: modules that subclass a library's classes (the
 # uvicorn protocol), the errors (their subclasses override class attributes, which compiled classes
 # do not allow; and a class built on a C extension's class, grpc's Cython AbortError for one, compiles
 # but crashes when used), FastAPI's routes (it reads their signatures), the JSON reader (a large
