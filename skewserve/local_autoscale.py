@@ -34,7 +34,7 @@ from skewserve.autoscale import (
 from skewserve.loopback_dns import LoopbackDns
 from skewserve.ports import consecutive_free_ports
 from skewserve.triton_dist import PreparedTriton
-from skewserve.triton_process import TritonServer, TritonServerSpec
+from skewserve.triton_process import TritonServer, TritonServerSpec, stop_servers
 
 logger = logging.getLogger(__name__)
 
@@ -219,8 +219,7 @@ class RegionAutoscaler:
         if self._thread is not None:
             self._thread.join(60)
         self.dns.publish(self.dns_name, set())
-        for server in self.servers.values():
-            server.stop()
+        stop_servers(self.servers.values())
         self.servers.clear()
 
 

@@ -42,6 +42,45 @@ def response_cache_config(size_mb: int) -> tuple[str, ...]:
     return (f"local,size={size_mb * 1024 * 1024}",) if size_mb else ()
 
 
+def start_servers(servers: Sequence[TritonServer]) -> None:
+    """Launch every server, then wait for each: their model loads overlap. On any failure all are
+    stopped and the failure raised."""
+    prepared: PreparedTriton | None = None
+    try:
+        for server in servers:
+            if server._prepared is None:
+                server._prepared = prepared = prepared or prepare_triton()
+            if not server._fixed_ports:
+                server.http_port, server.grpc_port, server.metrics_port = (
+                    free_port(),
+                    free_port(),
+                    free_port(),
+                )
+            server._launch(server._prepared)
+        for server in servers:
+            try:
+                server._wait_ready()
+            except PortInUse:
+                if server._fixed_ports:
+                    raise
+                server.stop()
+                server.start()
+    except BaseException:
+        stop_servers(servers)
+        raise
+
+
+def stop_servers(servers: Iterable[TritonServer]) -> None:
+    """Stop every server: all are signalled first, then each is waited for up to its own bound.
+
+    Triton checks once a second whether its models have unloaded, so one graceful stop takes two to
+    four seconds; signalled together, a fleet stops in about the time of one.
+    """
+    deadlines = [(server, server._terminate()) for server in servers]
+    for server, deadline in deadlines:
+        server._reap(deadline)
+
+
 class TritonServerSpec(BaseModel):
     """What one tritonserver process serves and where; unset ports are chosen free at start."""
 
@@ -241,22 +280,31 @@ class TritonServer:
 
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL it after the stop bound; idempotent."""
+        stop_servers([self])
+
+    def _terminate(self) -> float:
+        """SIGTERM the process group if it runs; the moment by which it must have exited."""
         proc = self._proc
-        if proc is None:
-            return
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-            try:
-                proc.wait(timeout=self.spec.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning(
-                    "tritonserver %s ignored SIGTERM for %.0fs, killing it",
-                    self.spec.name,
-                    self.spec.stop_timeout_s,
-                )
+        return time.monotonic() + self.spec.stop_timeout_s
+
+    def _reap(self, deadline: float) -> None:
+        """Wait for the exit until `deadline`, then SIGKILL whatever of the group is left."""
+        proc = self._proc
+        if proc is None:
+            return
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning(
+                "tritonserver %s ignored SIGTERM for %.0fs, killing it",
+                self.spec.name,
+                self.spec.stop_timeout_s,
+            )
         # Stubs can outlive the server by a moment; the group kill reaps whatever is left.
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -281,8 +329,10 @@ class TritonServer:
 class TritonFleet:
     """Several tritonserver processes across regions, started together and stopped together."""
 
-    def __init__(self, specs: Sequence[TritonServerSpec], log_dir: Path) -> None:
-        self.servers = [TritonServer(spec, log_dir) for spec in specs]
+    def __init__(
+        self, specs: Sequence[TritonServerSpec], log_dir: Path, prepared: PreparedTriton | None = None
+    ) -> None:
+        self.servers = [TritonServer(spec, log_dir, prepared) for spec in specs]
 
     @classmethod
     def for_regions(
@@ -302,33 +352,11 @@ class TritonFleet:
 
     def start(self) -> TritonFleet:
         """Launch every server, then wait for each: model loading overlaps across servers."""
-        prepared = prepare_triton()
-        try:
-            for server in self.servers:
-                server._prepared = prepared
-                if not server._fixed_ports:
-                    server.http_port, server.grpc_port, server.metrics_port = (
-                        free_port(),
-                        free_port(),
-                        free_port(),
-                    )
-                server._launch(prepared)
-            for server in self.servers:
-                try:
-                    server._wait_ready()
-                except PortInUse:
-                    if server._fixed_ports:
-                        raise
-                    server.stop()
-                    server.start()
-        except BaseException:
-            self.stop()
-            raise
+        start_servers(self.servers)
         return self
 
     def stop(self) -> None:
-        for server in self.servers:
-            server.stop()
+        stop_servers(self.servers)
 
     def by_region(self) -> dict[str, list[TritonServer]]:
         out: dict[str, list[TritonServer]] = {}

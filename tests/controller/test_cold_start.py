@@ -17,7 +17,7 @@ from controller.placement import CopyBounds, PlacementConfig
 from controller.runner import ControllerThread
 from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
-from skewserve.triton_process import TritonServer
+from skewserve.triton_process import TritonServer, start_servers, stop_servers
 from tests.controller.conftest import controlled_server, controller_and_gateway
 from tests.fixtures_models import write_affine_model
 from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway
@@ -57,13 +57,11 @@ def test_cold_model_is_loaded_once_for_its_first_requests(
     cfg = ControllerConfig(interval_s=0.5, load_timeout_s=120, placement=placement)
     servers = [controlled_server(repo, n, tmp_path / "logs", prepared_triton) for n in ("s0", "s1")]
     try:
-        for s in servers:
-            s.start()
+        start_servers(servers)
         with controller_and_gateway(servers, store, cfg, tmp_path / "gw", cold_start=True) as (thread, gw):
             _cold_model_once(servers, thread, gw)
     finally:
-        for s in servers:
-            s.stop()
+        stop_servers(servers)
 
 
 def _cold_model_once(servers: list[TritonServer], thread: ControllerThread, gw: GatewayUnderTest) -> None:

@@ -30,7 +30,7 @@ from controller.runner import ControllerThread
 from gateway.config import RegionConfig, ServerConfig
 from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
-from skewserve.triton_process import TritonServer
+from skewserve.triton_process import TritonServer, start_servers, stop_servers
 from tests.controller.conftest import GATEWAY_TOKEN, KEY, controlled_server
 from tests.fixtures_models import write_affine_model
 from tests.gateway.conftest import GatewayUnderTest, gateway_config, launch_gateway
@@ -146,8 +146,7 @@ def controlled_fleet(tmp_path: Path, prepared: PreparedTriton, gated: list[str])
     fleet: Fleet | None = None
     thread: ControllerThread | None = None
     try:
-        for s in servers:
-            s.start()
+        start_servers(servers)
         fleet_spec = FleetSpec(
             [
                 RegionConfig(
@@ -171,8 +170,7 @@ def controlled_fleet(tmp_path: Path, prepared: PreparedTriton, gated: list[str])
                 gw.stop()
         if thread is not None:
             thread.stop()
-        for s in servers:
-            s.stop()
+        stop_servers(servers)
 
 
 @pytest.mark.slow

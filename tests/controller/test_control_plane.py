@@ -19,7 +19,7 @@ from controller.rollout import rollback, rollout
 from exporter.pipeline import export_artifact
 from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
-from skewserve.triton_process import TritonServer
+from skewserve.triton_process import TritonServer, stop_servers
 from tests.controller.conftest import CFG, KEY, as_controlled, controlled_server, loaded
 from tests.gateway.conftest import gateway_config, launch_gateway
 from tests.gateway.steady_load import SteadyLoad
@@ -122,5 +122,4 @@ def test_promotion_reaches_every_server_and_a_rollback_survives_a_restart(
     finally:
         if gw is not None:
             gw.stop()
-        for s in servers + first + outside:
-            s.stop()
+        stop_servers(servers + first + outside)

@@ -23,6 +23,7 @@ from controller.leader import LeaderElection
 from exporter.pipeline import export_artifact
 from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
+from skewserve.triton_process import start_servers, stop_servers
 from tests.controller.conftest import KEY, controlled_server, loaded, two_versions
 from tests.waiting import wait_until
 
@@ -192,8 +193,7 @@ def test_a_leader_killed_mid_canary_hands_it_over_and_the_canary_finishes(
     servers = [controlled_server(repo, name, tmp_path / "logs", prepared_triton) for name in ("s1", "s2")]
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        for server in servers:
-            server.start()
+        start_servers(servers)
         config = _fleet_config(tmp_path / "gateway.yaml", servers)
         first, first_url = _controller(repo, config, tmp_path / "first.log")
         procs.append(first)
@@ -227,8 +227,7 @@ def test_a_leader_killed_mid_canary_hands_it_over_and_the_canary_finishes(
         assert "unloaded" not in logs and "failed" not in logs.split("leads (term 2)")[-1]
     finally:
         _stop(procs)
-        for server in servers:
-            server.stop()
+        stop_servers(servers)
 
 
 def test_a_leader_whose_renewals_stall_reports_standby_at_once_and_says_so(
@@ -283,8 +282,7 @@ def test_a_leader_killed_mid_placement_leaves_each_model_loaded_once_and_nothing
     placement.write_text(json.dumps({"server_capacity_bytes": 1 << 34}))
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        for server in servers:
-            server.start()
+        start_servers(servers)
         config = _fleet_config(tmp_path / "gateway.yaml", servers)
         for name in ("a", "b"):  # both campaign at once: the winner starts placing at its first pass
             procs.append(
@@ -323,5 +321,4 @@ def test_a_leader_killed_mid_placement_leaves_each_model_loaded_once_and_nothing
         assert all(len(loaded(s)) >= 1 for s in servers)  # the copies are spread, not stacked
     finally:
         _stop(procs)
-        for server in servers:
-            server.stop()
+        stop_servers(servers)

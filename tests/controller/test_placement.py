@@ -16,7 +16,7 @@ from controller.placement import PlacementConfig
 from controller.reconcile import Controller, PassReport
 from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
-from skewserve.triton_process import TritonServer
+from skewserve.triton_process import TritonServer, start_servers, stop_servers
 from tests.controller.conftest import KEY, as_controlled, controlled_server, loaded
 from tests.fixtures_models import write_affine_model
 from tests.gateway.conftest import gateway_config, launch_gateway
@@ -80,8 +80,7 @@ def test_placement_follows_demand_and_a_shift_within_capacity(
     servers = [controlled_server(repo, n, tmp_path / "logs", prepared_triton) for n in ("a", "b", "c")]
     gw = None
     try:
-        for s in servers:
-            s.start()
+        start_servers(servers)
         controller = Controller(store, as_controlled(servers), KEY, cfg)
         over_capacity: list[str] = []
 
@@ -120,5 +119,4 @@ def test_placement_follows_demand_and_a_shift_within_capacity(
     finally:
         if gw is not None:
             gw.stop()
-        for s in servers:
-            s.stop()
+        stop_servers(servers)

@@ -28,7 +28,7 @@ from gateway.fleet.traffic import Traffic
 from repository.desired_state import DesiredState, TrafficGate
 from repository.disk_store import DiskStateStore
 from skewserve.triton_dist import PreparedTriton
-from skewserve.triton_process import TritonServer
+from skewserve.triton_process import TritonServer, start_servers, stop_servers
 from tests.controller.conftest import (
     CFG,
     KEY,
@@ -155,8 +155,7 @@ def test_canary_share_shadow_traffic_and_the_traffic_gate(
     servers = [controlled_server(repo, n, tmp_path / "logs", prepared_triton) for n in ("a", "b")]
     traffic = {"poll_s": 0.2, "shadow_max_inflight": 64}
     try:
-        for s in servers:
-            s.start()
+        start_servers(servers)
         with controller_and_gateway(servers, store, CFG, tmp_path / "gw", traffic=traffic) as (thread, gw):
             wait_until(lambda: all(s["models"] for s in gw.admin()["servers"]), 60, "the gateway sees lt")
             fleet = Fleet(repo, small_data, store, servers, thread, gw)
@@ -166,8 +165,7 @@ def test_canary_share_shadow_traffic_and_the_traffic_gate(
             _shadow_is_stratified_and_never_answers(fleet)
             _shadow_wrong_on_one_rare_class_fails_its_gate(fleet, small_artifact, tmp_path / "relabelled")
     finally:
-        for s in servers:
-            s.stop()
+        stop_servers(servers)
 
 
 def _share_is_sticky_then_promoted(fleet: Fleet) -> None:

@@ -15,6 +15,7 @@ from controller.config import ControllerConfig
 from controller.reconcile import Controller
 from repository.desired_state import DesiredState
 from skewserve.triton_dist import PreparedTriton
+from skewserve.triton_process import start_servers, stop_servers
 from tests.controller.conftest import KEY, as_controlled, controlled_server, loaded, two_versions
 
 pytestmark = pytest.mark.slow
@@ -28,8 +29,7 @@ def test_two_controllers_at_once_check_each_server_once(
     store = two_versions(small_artifact, repo)
     servers = [controlled_server(repo, name, tmp_path / "logs", prepared_triton) for name in ("a", "b")]
     try:
-        for s in servers:
-            s.start()
+        start_servers(servers)
         controllers = [Controller(store, as_controlled(servers), KEY, REALISTIC) for _ in range(2)]
         controllers[0].reconcile_once()
         store.update("lt", partial(DesiredState.start_canary, version=2))
@@ -63,5 +63,4 @@ def test_two_controllers_at_once_check_each_server_once(
             c.reconcile_once()
         assert all(loaded(s) == {"lt": [2]} for s in servers)
     finally:
-        for s in servers:
-            s.stop()
+        stop_servers(servers)

@@ -17,39 +17,25 @@ import yaml
 from skewserve.gateway_process import GatewayProcess, start_gateway_process
 from skewserve.ports import free_port
 from skewserve.triton_dist import PreparedTriton
-from skewserve.triton_process import TritonServer, TritonServerSpec
+from skewserve.triton_process import TritonFleet, TritonServer, TritonServerSpec, stop_servers
 from tests.waiting import wait_until as wait_until  # re-exported: gateway tests import it from here
 
 
 def start_fleet(
     repo: Path, layout: dict[str, int], log_dir: Path, prepared: PreparedTriton, **spec: Any
 ) -> dict[str, list[TritonServer]]:
-    fleet: dict[str, list[TritonServer]] = {}
-    for region, n in layout.items():
-        for i in range(n):
-            server = TritonServer(
-                TritonServerSpec(repository=repo, region=region, name=f"{region}-{i}", **spec),
-                log_dir,
-                prepared,
-            )
-            fleet.setdefault(region, []).append(server)
-    started = []
-    try:
-        for servers in fleet.values():
-            for s in servers:
-                s.start()
-                started.append(s)
-    except BaseException:
-        for s in started:
-            s.stop()
-        raise
-    return fleet
+    """Servers named `<region>-<i>`, launched together (their model loads overlap), by region."""
+    specs = [
+        TritonServerSpec(repository=repo, region=region, name=f"{region}-{i}", **spec)
+        for region, n in layout.items()
+        for i in range(n)
+    ]
+    fleet = TritonFleet(specs, log_dir, prepared).start()
+    return fleet.by_region()
 
 
 def stop_fleet(fleet: dict[str, list[TritonServer]]) -> None:
-    for servers in fleet.values():
-        for s in servers:
-            s.stop()
+    stop_servers(s for servers in fleet.values() for s in servers)
 
 
 @pytest.fixture(scope="module")

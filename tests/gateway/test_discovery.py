@@ -21,7 +21,7 @@ import pytest
 from skewserve.local_autoscale import shared_ports
 from skewserve.ports import free_port
 from skewserve.triton_dist import PreparedTriton
-from skewserve.triton_process import TritonServer, TritonServerSpec
+from skewserve.triton_process import TritonServer, TritonServerSpec, stop_servers
 from tests.gateway.conftest import GatewayUnderTest, launch_gateway, wait_until
 from tests.gateway.kube_api import KubeApi, endpoint, make_tls
 from tests.gateway.steady_load import SteadyLoad
@@ -160,8 +160,7 @@ def test_servers_join_and_leave_through_dns_under_load_with_zero_failed_requests
             if t.is_alive():
                 t.join()
         gw.stop()
-        for s in servers.values():
-            s.stop()
+        stop_servers(servers.values())
     assert results["failed"] == [] and results["ok"] > 100
     assert loopback_dns.queries > 3  # re-resolved, not read once
 
@@ -289,8 +288,7 @@ def test_servers_follow_endpointslices_under_load_with_zero_failed_requests(
         load.stop()
         gw.stop()
         api.close()
-        for s in servers.values():
-            s.stop()
+        stop_servers(servers.values())
     assert load.failed == [] and load.ok > 100
     # Listed once, then followed the watch stream: no re-list after a watch ended or failed. (On a
     # loaded machine the first list can time out and be retried: that is the initial list, logged.)
@@ -367,8 +365,7 @@ def test_endpointslice_watch_relists_after_410_and_refuses_a_wrong_token(
     finally:
         gw.stop()
         api.close()
-        for s in servers.values():
-            s.stop()
+        stop_servers(servers.values())
 
 
 def test_usable_endpoints_follow_endpoint_conditions() -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from skewserve.errors import ModelLoadError, PortInUse, TritonNotInstalled
 from skewserve.triton_dist import PreparedTriton, prepare_triton, server_environment
 from skewserve.triton_process import TritonFleet, TritonServer, TritonServerSpec
 from tests.fixtures_models import write_affine_model
+from tests.waiting import wait_until
 
 X = np.arange(8, dtype=np.float32).reshape(2, 4)
 
@@ -84,6 +87,43 @@ def test_two_regions_at_once_and_clean_stop(affine_repo: Path, log_dir: Path) ->
             np.testing.assert_array_equal(_infer_grpc(s.grpc_address), X * 2 + 1)
         pids = [s.pid for s in fleet.servers]
     assert all(p is not None and not _alive(p) for p in pids)
+
+
+def _sigterm_pending(pid: int) -> bool:
+    """The process exists and holds a SIGTERM it has not yet acted on (it is stopped)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    pending = int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
+    return bool(pending & (1 << (signal.SIGTERM - 1)))
+
+
+def test_a_fleet_is_signalled_at_once_then_each_server_exits_on_its_sigterm(
+    affine_repo: Path, log_dir: Path
+) -> None:
+    # Both servers are frozen (SIGSTOP), so a SIGTERM stays queued and neither can exit: a stop that
+    # waits on one server before signalling the next never has both signals queued at once.
+    fleet = TritonFleet.for_regions(affine_repo, ["us-east", "eu-west"], 1, log_dir, stop_timeout_s=60)
+    fleet.start()
+    pids = [s.pid for s in fleet.servers if s.pid is not None]
+    assert len(pids) == 2
+    stopping = threading.Thread(target=fleet.stop)
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        stopping.start()
+        wait_until(lambda: all(_sigterm_pending(p) for p in pids), what="a SIGTERM queued for every server")
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        if stopping.is_alive():
+            stopping.join(90)
+        fleet.stop()
+    assert not any(_alive(p) for p in pids)
+    # Each left on its SIGTERM (Triton's own shutdown), not on the SIGKILL after the bound.
+    assert all("Signal (15) received" in s.log_text() for s in fleet.servers)
 
 
 def test_failing_model_reports_tritons_reason(
