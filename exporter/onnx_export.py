@@ -7,6 +7,7 @@ import io
 import logging
 import warnings
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,45 @@ def dynamic_shapes(contract: ServingContract, max_batch: int) -> tuple[dict[int,
     return tuple(out)
 
 
+# torch.onnx's tables of ATen -> ONNX functions by opset, built once per process.
+_TORCHLIB_REGISTRIES: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def _one_torchlib_registry() -> Iterator[None]:
+    """Every export in this process reads the same torchlib registry.
+
+    torch.onnx.export rebuilds it on every call by re-reading the source of about 500 onnxscript
+    functions: about 1 s of the 2 s a small model's second export takes in one process. Nothing in
+    an export changes it (only a custom translation table would, and none is passed), so a process
+    that exports several models (the demo, the Python API in a loop) builds it once. A torch without
+    this internal exports as it is.
+    """
+    try:
+        from torch.onnx._internal.exporter import _registration
+    except ImportError:
+        yield
+        return
+    registry_class = _registration.ONNXRegistry
+    original = registry_class.__dict__.get("from_torchlib")
+    if not isinstance(original, classmethod):
+        yield
+        return
+    build = original.__func__
+
+    def reused(cls: type, opset_version: int = OPSET) -> Any:
+        registry = _TORCHLIB_REGISTRIES.get(opset_version)
+        if registry is None:
+            registry = _TORCHLIB_REGISTRIES[opset_version] = build(cls, opset_version=opset_version)
+        return registry
+
+    registry_class.from_torchlib = classmethod(reused)  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        registry_class.from_torchlib = original  # type: ignore[method-assign, assignment]
+
+
 def export_onnx(
     module: ServingModule,
     contract: ServingContract,
@@ -55,7 +95,7 @@ def export_onnx(
     # deprecations; none of it concerns this graph, so keep it off the CLI's output.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), _one_torchlib_registry():
             warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\..*|copyreg")
             warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\..*")
             program = torch.onnx.export(

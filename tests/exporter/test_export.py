@@ -275,3 +275,23 @@ def test_tensorrt_plan_builds_and_matches_onnxruntime(small_artifact: Path, tmp_
     assert result.parity[-1].target == "tensorrt model.plan" and result.parity[-1].passed
     assert list(tmp_path.glob(".tensorrt_timing_cache.sm*"))  # one timing cache per GPU capability
     assert parse((tmp_path / "m" / "config.pbtxt").read_text()).platform == "tensorrt_plan"
+
+
+def test_exports_in_one_process_read_one_torchlib_registry_and_write_the_same_graph(
+    small_artifact: Path, tmp_path: Path
+) -> None:
+    from torch.onnx._internal.exporter import _registration
+
+    from exporter import onnx_export
+
+    torchs_own = _registration.ONNXRegistry.__dict__["from_torchlib"]
+    graphs = []
+    registries = []
+    for repo in ("a", "b"):
+        result = export_artifact(small_artifact, tmp_path / repo, "m", tensorrt="off")
+        graphs.append((tmp_path / repo / "m" / str(result.published.version) / "model.onnx").read_bytes())
+        registries.append(onnx_export._TORCHLIB_REGISTRIES[onnx_export.OPSET])
+    assert registries[0] is registries[1], "the second export built a registry of its own"
+    assert graphs[0] == graphs[1]
+    # Outside an export, torch.onnx builds its registry as it always does.
+    assert _registration.ONNXRegistry.__dict__["from_torchlib"] is torchs_own
