@@ -266,6 +266,18 @@ def test_a_leader_whose_renewals_stall_reports_standby_at_once_and_says_so(
     assert any(m.endswith("is the leader") for m in said) and any(m.endswith("is a standby") for m in said)
 
 
+def _gate_loads(repo: Path, models: list[str], gate: Path) -> None:
+    """Each model's load, in Triton's Python stub, leaves `<gate>.<model>.waiting` and waits for `gate`."""
+    for model in models:
+        code = repo / model / "1" / "model.py"
+        code.write_text(
+            code.read_text()
+            + "\n\nimport pathlib as _pathlib, time as _time\n"
+            + f"_pathlib.Path({str(gate)!r} + '.{model}.waiting').touch()\n"
+            + f"while not _pathlib.Path({str(gate)!r}).exists():\n    _time.sleep(0.01)\n"
+        )
+
+
 @pytest.mark.slow
 def test_a_leader_killed_mid_placement_leaves_each_model_loaded_once_and_nothing_unloaded(
     small_artifact: Path, tmp_path: Path, prepared_triton: PreparedTriton
@@ -277,6 +289,8 @@ def test_a_leader_killed_mid_placement_leaves_each_model_loaded_once_and_nothing
     models = ["m0", "m1", "m2", "m3"]
     for model in models:
         export_artifact(small_artifact, repo, model, tensorrt="off")
+    gate = tmp_path / "loads-may-finish"
+    _gate_loads(repo, models, gate)
     servers = [controlled_server(repo, name, tmp_path / "logs", prepared_triton) for name in ("s1", "s2")]
     placement = tmp_path / "placement.yaml"
     placement.write_text(json.dumps({"server_capacity_bytes": 1 << 34}))
@@ -288,14 +302,11 @@ def test_a_leader_killed_mid_placement_leaves_each_model_loaded_once_and_nothing
             procs.append(
                 _controller(repo, config, tmp_path / f"{name}.log", "--placement", str(placement))[0]
             )
-        # Triton's own log says when a load starts: its repository index, asked while loads run,
-        # can answer only once they are done (a clean-clone run polled it for 120 s and never saw
-        # LOADING while four loads took 2.8 s).
+        # A load in flight is held open by its model (_gate_loads), so the kill lands mid-placement
+        # however slowly this process is scheduled: polling Triton's log for a load's start raced
+        # with the leader on a loaded machine, which sometimes saw all four loads through first.
         wait_until(
-            lambda: any('"loading: ' in s.log_text() for s in servers),
-            120,
-            "a server loads a placed model",
-            interval=0.005,
+            lambda: any(gate.parent.glob(f"{gate.name}.*.waiting")), 120, "a server loads a placed model"
         )
         logs = {p: (tmp_path / f"{n}.log") for p, n in zip(procs, ("a", "b"), strict=True)}
         leader = next(p for p, log in logs.items() if "leads (term 1)" in log.read_text())
@@ -303,6 +314,7 @@ def test_a_leader_killed_mid_placement_leaves_each_model_loaded_once_and_nothing
         leader.wait(timeout=30)
         seen_through = logs[leader].read_text().count(" now serves versions ")
         assert seen_through < len(models), "the leader saw its placement through before the kill"
+        gate.touch()
         # The loads under way finish in Triton without the leader: placement is complete only
         # once the standby has taken over and rebuilt it from what the servers hold.
         standby = next(log for p, log in logs.items() if p is not leader)
@@ -320,5 +332,6 @@ def test_a_leader_killed_mid_placement_leaves_each_model_loaded_once_and_nothing
             assert "successfully unloaded" not in log, server.spec.name
         assert all(len(loaded(s)) >= 1 for s in servers)  # the copies are spread, not stacked
     finally:
+        gate.touch()  # a load still held would hold its server's stop
         _stop(procs)
         stop_servers(servers)
