@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import threading
 import warnings
 from collections import deque
 from collections.abc import Iterator
@@ -38,43 +39,67 @@ def dynamic_shapes(contract: ServingContract, max_batch: int) -> tuple[dict[int,
     return tuple(out)
 
 
-# torch.onnx's tables of ATen -> ONNX functions by opset, built once per process.
-_TORCHLIB_REGISTRIES: dict[int, Any] = {}
+class _TorchlibRegistries:
+    """torch.onnx's tables of ATen -> ONNX functions, built once per process and opset.
 
-
-@contextlib.contextmanager
-def _one_torchlib_registry() -> Iterator[None]:
-    """Every export in this process reads the same torchlib registry.
-
-    torch.onnx.export rebuilds it on every call by re-reading the source of about 500 onnxscript
-    functions: about 1 s of the 2 s a small model's second export takes in one process. Nothing in
-    an export changes it (only a custom translation table would, and none is passed), so a process
-    that exports several models (the demo, the Python API in a loop) builds it once. A torch without
-    this internal exports as it is.
+    torch.onnx.export rebuilds its table on every call by re-reading the source of about 500
+    onnxscript functions: about 1 s of the 2 s a small model's second export in one process takes.
+    While any export of this module runs, `ONNXRegistry.from_torchlib` hands out a copy of the table
+    built the first time (its function lists copied, so a caller's own translation table, which torch
+    adds to the registry, stays in that caller's copy); the last export to end puts torch's own
+    method back. A torch without this internal exports as it is.
     """
-    try:
-        from torch.onnx._internal.exporter import _registration
-    except ImportError:
-        yield
-        return
-    registry_class = _registration.ONNXRegistry
-    original = registry_class.__dict__.get("from_torchlib")
-    if not isinstance(original, classmethod):
-        yield
-        return
-    build = original.__func__
 
-    def reused(cls: type, opset_version: int = OPSET) -> Any:
-        registry = _TORCHLIB_REGISTRIES.get(opset_version)
-        if registry is None:
-            registry = _TORCHLIB_REGISTRIES[opset_version] = build(cls, opset_version=opset_version)
+    def __init__(self) -> None:
+        self.built: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._active = 0
+        self._original: Any = None
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        registry_class = self._registry_class()
+        if registry_class is None:
+            yield
+            return
+        with self._lock:
+            if self._active == 0:
+                self._original = registry_class.__dict__["from_torchlib"]
+                registry_class.from_torchlib = classmethod(self._copy_of)
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    registry_class.from_torchlib = self._original
+
+    @staticmethod
+    def _registry_class() -> Any:
+        try:
+            from torch.onnx._internal.exporter import _registration
+        except ImportError:
+            return None
+        registry_class = _registration.ONNXRegistry
+        original = registry_class.__dict__.get("from_torchlib")
+        return registry_class if isinstance(original, classmethod) else None
+
+    def _copy_of(self, cls: Any, opset_version: int | None = None) -> Any:
+        from torch.onnx._internal.exporter import _constants
+
+        opset = _constants.TORCHLIB_OPSET if opset_version is None else opset_version
+        with self._lock:
+            built = self.built.get(opset)
+            if built is None:
+                built = self.built[opset] = self._original.__func__(cls, opset_version=opset)
+        registry = cls()
+        registry._opset_version = built._opset_version
+        registry.functions = {op: list(metas) for op, metas in built.functions.items()}
         return registry
 
-    registry_class.from_torchlib = classmethod(reused)  # type: ignore[method-assign, assignment]
-    try:
-        yield
-    finally:
-        registry_class.from_torchlib = original  # type: ignore[method-assign, assignment]
+
+_TORCHLIB_REGISTRIES = _TorchlibRegistries()
 
 
 def export_onnx(
@@ -95,7 +120,11 @@ def export_onnx(
     # deprecations; none of it concerns this graph, so keep it off the CLI's output.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), _one_torchlib_registry():
+        with (
+            contextlib.redirect_stdout(io.StringIO()),
+            warnings.catch_warnings(),
+            _TORCHLIB_REGISTRIES.in_use(),
+        ):
             warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\..*|copyreg")
             warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\..*")
             program = torch.onnx.export(

@@ -332,6 +332,6 @@ def test_a_leader_killed_mid_placement_leaves_each_model_loaded_once_and_nothing
             assert "successfully unloaded" not in log, server.spec.name
         assert all(len(loaded(s)) >= 1 for s in servers)  # the copies are spread, not stacked
     finally:
-        gate.touch()  # a load still held would hold its server's stop
+        gate.touch()  # a load still held would delay its server's stop to Triton's exit timeout
         _stop(procs)
         stop_servers(servers)

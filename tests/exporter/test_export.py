@@ -277,21 +277,38 @@ def test_tensorrt_plan_builds_and_matches_onnxruntime(small_artifact: Path, tmp_
     assert parse((tmp_path / "m" / "config.pbtxt").read_text()).platform == "tensorrt_plan"
 
 
-def test_exports_in_one_process_read_one_torchlib_registry_and_write_the_same_graph(
-    small_artifact: Path, tmp_path: Path
+def test_exports_in_one_process_build_one_torchlib_registry_and_write_the_same_graph(
+    small_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from torch.onnx._internal.exporter import _registration
 
     from exporter import onnx_export
 
+    monkeypatch.setattr(onnx_export._TORCHLIB_REGISTRIES, "built", {})  # the first export builds it
     torchs_own = _registration.ONNXRegistry.__dict__["from_torchlib"]
     graphs = []
-    registries = []
+    built = []
     for repo in ("a", "b"):
         result = export_artifact(small_artifact, tmp_path / repo, "m", tensorrt="off")
         graphs.append((tmp_path / repo / "m" / str(result.published.version) / "model.onnx").read_bytes())
-        registries.append(onnx_export._TORCHLIB_REGISTRIES[onnx_export.OPSET])
-    assert registries[0] is registries[1], "the second export built a registry of its own"
+        built.append(dict(onnx_export._TORCHLIB_REGISTRIES.built))
+    assert list(built[0]) == [onnx_export.OPSET]
+    assert built[0][onnx_export.OPSET] is built[1][onnx_export.OPSET], "the second export built its own"
     assert graphs[0] == graphs[1]
     # Outside an export, torch.onnx builds its registry as it always does.
     assert _registration.ONNXRegistry.__dict__["from_torchlib"] is torchs_own
+
+
+def test_each_export_gets_its_own_copy_of_the_shared_torchlib_registry() -> None:
+    from torch.onnx._internal.exporter import _registration
+
+    from exporter import onnx_export
+
+    with onnx_export._TORCHLIB_REGISTRIES.in_use():
+        mine = _registration.ONNXRegistry.from_torchlib(opset_version=onnx_export.OPSET)
+        theirs = _registration.ONNXRegistry.from_torchlib(opset_version=onnx_export.OPSET)
+        # What torch does with a caller's custom translation table: it adds to that call's registry.
+        mine.register_op(torch.ops.aten.relu.default, lambda x: x, is_complex=False)
+    assert mine is not theirs
+    key = next(k for k in mine.functions if len(mine.functions[k]) != len(theirs.functions.get(k, [])))
+    assert len(mine.functions[key]) == len(theirs.functions[key]) + 1
