@@ -89,13 +89,24 @@ def test_two_regions_at_once_and_clean_stop(affine_repo: Path, log_dir: Path) ->
     assert all(p is not None and not _alive(p) for p in pids)
 
 
-def _sigterm_pending(pid: int) -> bool:
-    """The process exists and holds a SIGTERM it has not yet acted on (it is stopped)."""
+def _status(pid: int) -> dict[str, str]:
+    """/proc/<pid>/status as fields (empty once the process is gone)."""
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
+        text = Path(f"/proc/{pid}/status").read_text()
     except FileNotFoundError:
+        return {}
+    return {k: v.strip() for k, v in (line.split(":", 1) for line in text.splitlines() if ":" in line)}
+
+
+def _frozen(pid: int) -> bool:
+    return _status(pid).get("State", "").startswith("T")
+
+
+def _sigterm_pending(pid: int) -> bool:
+    """The process exists and holds a SIGTERM it has not yet acted on (it is frozen)."""
+    fields = _status(pid)
+    if not fields:
         return False
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     pending = int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
     return bool(pending & (1 << (signal.SIGTERM - 1)))
 
@@ -113,6 +124,9 @@ def test_a_fleet_is_signalled_at_once_then_each_server_exits_on_its_sigterm(
     try:
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
+        # A SIGSTOP acts only once the process next runs: a SIGTERM sent before that (a loaded
+        # machine) would be taken first, lower-numbered, and never be seen queued.
+        wait_until(lambda: all(_frozen(p) for p in pids), what="both servers frozen")
         stopping.start()
         wait_until(lambda: all(_sigterm_pending(p) for p in pids), what="a SIGTERM queued for every server")
     finally:
