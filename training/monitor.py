@@ -112,6 +112,8 @@ class SkewMonitor:
         return summary
 
     def close(self) -> None:
+        """Close the step log and stop the live metrics listener; a second call does nothing."""
         self._file.close()
-        if self.exporter is not None:
-            self.exporter.close()
+        exporter, self.exporter = self.exporter, None
+        if exporter is not None:
+            exporter.close()

@@ -632,7 +632,13 @@ class Trainer:
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
-    return Trainer(cfg).fit()
+    trainer = Trainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        # A run that failed (a refused resume, bad data mid-epoch) in a process that goes on, as
+        # `train` in-process does: its metrics port and step log are given back, not held until exit.
+        trainer.monitor.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from skewserve.ports import free_port
 from training.config import TrainConfig
 from training.errors import CheckpointError, TrainingError
 from training.launch import train
+from training.metrics_export import PORT_ENV
 
 
 @pytest.mark.slow
@@ -67,6 +71,35 @@ def test_resume_refuses_changed_settings(small_data: Path, tmp_path: Path) -> No
                 progress=False,
             )
         )
+
+
+def _open_files_under(folder: Path) -> list[str]:
+    """This process's open file descriptors that point into `folder` (from /proc)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(folder)):
+                found.append(target)
+    return found
+
+
+def test_a_refused_run_in_process_gives_back_its_metrics_port_and_files(
+    small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`train` in-process (the Python API) that fails after the trainer was built must close what the
+    trainer opened: its live metrics listener and its step log. Otherwise a retry in the same process
+    finds the port taken, and every failed run holds a file."""
+    monkeypatch.setenv(PORT_ENV, str(free_port()))
+    out = tmp_path / "r"
+    train(TrainConfig(data_dir=small_data, out_dir=out, epochs=1, progress=False))
+    changed = TrainConfig(
+        data_dir=small_data, out_dir=out, epochs=1, loss="focal", resume=True, progress=False
+    )
+    for _ in range(2):  # the second refusal needs the port the first one served on
+        with pytest.raises(CheckpointError, match="loss: checkpoint 'logit_adjusted' vs now 'focal'"):
+            train(changed)
+    assert _open_files_under(out) == []
 
 
 def test_config_contradictions_name_field_and_fix(small_data: Path, tmp_path: Path) -> None:
