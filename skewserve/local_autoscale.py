@@ -88,6 +88,10 @@ class RegionAutoscaler:
         self.timeline: list[ScalePoint] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Servers launched and still loading (not yet in `servers`): `stop` stops them too. The lock
+        # orders a launch against a stop, so no server is launched once the stop has looked.
+        self._lock = threading.Lock()
+        self._starting: list[TritonServer] = []
 
     @property
     def discover(self) -> dict[str, Any]:
@@ -122,20 +126,38 @@ class RegionAutoscaler:
         strict (the initial servers): a server that does not start raises with Triton's reason;
         otherwise it is logged and left out, and the next decision tries again.
         """
-        free = [h for h in self.hosts if h not in self.servers][:count]
-        started = [self._new_server(h) for h in free]
+        with self._lock:
+            if self._stop.is_set():
+                return
+            free = [h for h in self.hosts if h not in self.servers][:count]
+            started = [self._new_server(h) for h in free]
+            self._starting += started
+            for server in started:
+                server._launch(self.prepared)
         failure: Exception | None = None
-        for server in started:
-            server._launch(self.prepared)
-        for server in started:
-            try:
-                server._wait_ready()
-            except Exception as exc:
-                logger.warning("autoscaler: %s failed to start, not published: %s", server.spec.host, exc)
-                server.stop()
-                failure = failure or exc
-                continue
-            self.servers[server.spec.host] = server
+        try:
+            for server in started:
+                try:
+                    server._wait_ready()
+                except Exception as exc:
+                    if not self._stop.is_set():  # a stop ends loading servers: that is no failure
+                        logger.warning(
+                            "autoscaler: %s failed to start, not published: %s", server.spec.host, exc
+                        )
+                        failure = failure or exc
+                    server.stop()
+                    continue
+                with self._lock:
+                    if not self._stop.is_set():  # else `stop` has it among the loading ones
+                        self.servers[server.spec.host] = server
+        except BaseException:  # interrupted (Ctrl-C during the first servers' start): none is left running
+            stop_servers(s for s in started if s.spec.host not in self.servers)
+            raise
+        finally:
+            with self._lock:
+                self._starting = [s for s in self._starting if s not in started]
+        if self._stop.is_set():
+            return
         if strict and failure is not None:
             raise failure
         self.dns.publish(self.dns_name, set(self.servers))
@@ -157,8 +179,9 @@ class RegionAutoscaler:
                 )
                 break
             time.sleep(0.1)
-        for address in leaving:
-            self.servers.pop(address).stop()
+        with self._lock:
+            gone = [self.servers.pop(address) for address in leaving if address in self.servers]
+        stop_servers(gone)
         logger.info("autoscaler %s: %d server(s) now", self.region, len(self.servers))
 
     # -- control loop ---------------------------------------------------------------------
@@ -215,12 +238,19 @@ class RegionAutoscaler:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        """Stop the control loop and every server, those still loading included (an `add` waiting on
+        them returns as they exit, publishing nothing)."""
+        with self._lock:
+            self._stop.set()
+            loading = list(self._starting)
+        stop_servers(loading)
         if self._thread is not None:
             self._thread.join(60)
         self.dns.publish(self.dns_name, set())
-        stop_servers(self.servers.values())
-        self.servers.clear()
+        with self._lock:
+            servers = list(self.servers.values())
+            self.servers.clear()
+        stop_servers(servers)
 
 
 def plot_autoscaling(

@@ -11,6 +11,8 @@ README's figure is `benchmarks/autoscale_local.py`.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 import urllib.error
@@ -20,8 +22,11 @@ from pathlib import Path
 import pytest
 
 from skewserve.autoscale import AutoscalePolicy, recommend
+from skewserve.local_autoscale import RegionAutoscaler
+from skewserve.loopback_dns import LoopbackDns
 from skewserve.stack import LocalStack, StackConfig
-from tests.gateway.test_hostile_health import BOOM_BODY, hostile_repo
+from skewserve.triton_dist import PreparedTriton
+from tests.gateway.test_hostile_health import BOOM_BODY, SLOW_PY, hostile_repo, write_python_model
 from tests.waiting import wait_until
 
 
@@ -126,9 +131,7 @@ def test_servers_go_one_at_a_time_from_one_to_three_and_back_with_zero_failures(
 def test_up_autoscale_flag_serves_through_discovered_servers_and_stops_them(
     affine_repo: Path, tmp_path: Path
 ) -> None:
-    import json
     import re
-    import signal
     import urllib.request
 
     import yaml
@@ -168,3 +171,61 @@ def test_up_autoscale_flag_serves_through_discovered_servers_and_stops_them(
         assert proc.returncode == 0 and "stopped the gateway and all servers" in rest
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def _tritons_serving(repo: Path) -> list[int]:
+    """Live (not zombie) tritonserver processes whose command line names `repo`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or str(repo).encode() not in (entry / "cmdline").read_bytes():
+                continue
+            status = (entry / "status").read_text()
+        except OSError:  # it ended while we looked
+            continue
+        if "tritonserver" in status.split("\n", 1)[0] and "zombie" not in status:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_stopping_during_a_scale_up_leaves_no_server_running(
+    tmp_path: Path, prepared_triton: PreparedTriton
+) -> None:
+    """`skewserve up --autoscale` stopped (Ctrl-C) while a server it is adding still loads its models:
+    that server is stopped with the others, not left running unpublished after the command exits."""
+    repo = tmp_path / "repo"
+    write_python_model(repo, "held", SLOW_PY.format(sleep_s=0))
+    gate = tmp_path / "load-may-finish"
+    code = repo / "held" / "1" / "model.py"
+    code.write_text(  # the model's load, in Triton's Python stub, waits for the gate
+        code.read_text()
+        + "\n\nimport pathlib as _pathlib, time as _time\n"
+        + f"_pathlib.Path({str(gate)!r} + '.waiting').touch()\n"
+        + f"while not _pathlib.Path({str(gate)!r}).exists():\n    _time.sleep(0.01)\n"
+    )
+    dns = LoopbackDns()
+    scaler = RegionAutoscaler(
+        "local",
+        0,
+        AutoscalePolicy(signal="inflight", target=1.0, min_servers=1, max_servers=2),
+        {"repository": repo, "model_control_mode": "none", "stop_timeout_s": 3.0},
+        tmp_path / "logs",
+        prepared_triton,
+        dns,
+    )
+    adding = threading.Thread(target=scaler.add, args=(1,), daemon=True)  # as the control loop adds
+    try:
+        adding.start()
+        wait_until(lambda: Path(f"{gate}.waiting").exists(), 120, "the new server to load its model")
+        assert len(_tritons_serving(repo)) == 1
+        scaler.stop()
+        assert _tritons_serving(repo) == []
+        adding.join(60)
+        assert not adding.is_alive()
+        assert scaler.servers == {} and dns.addresses(scaler.dns_name) == frozenset()  # never published
+    finally:
+        gate.touch()
+        for pid in _tritons_serving(repo):  # what a failed run left: the next test must not find it
+            os.killpg(pid, signal.SIGKILL)
+        adding.join(60)
+        dns.close()
