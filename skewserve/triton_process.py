@@ -45,17 +45,14 @@ def response_cache_config(size_mb: int) -> tuple[str, ...]:
 def start_servers(servers: Sequence[TritonServer]) -> None:
     """Launch every server, then wait for each: their model loads overlap. On any failure all are
     stopped and the failure raised."""
+    if len({id(server) for server in servers}) != len(servers):
+        raise ValueError("start_servers: a server is listed twice; list each once")
     prepared: PreparedTriton | None = None
     try:
         for server in servers:
             if server._prepared is None:
                 server._prepared = prepared = prepared or prepare_triton()
-            if not server._fixed_ports:
-                server.http_port, server.grpc_port, server.metrics_port = (
-                    free_port(),
-                    free_port(),
-                    free_port(),
-                )
+            server._choose_ports()
             server._launch(server._prepared)
         for server in servers:
             try:
@@ -195,18 +192,7 @@ class TritonServer:
         prepared = self._prepared or prepare_triton()
         attempts = 1 if self._fixed_ports else 3
         for attempt in range(attempts):
-            if not self._fixed_ports:
-                self.http_port, self.grpc_port, self.metrics_port = (free_port(), free_port(), free_port())
-            else:
-                for port in (self.http_port, self.grpc_port, self.metrics_port):
-                    if port and not port_is_free(port, self.spec.host):
-                        raise PortInUse(
-                            f"port {port} on {self.spec.host} is already in use; choose another for "
-                            f"{self.spec.region}/{self.spec.name} or leave it unset to pick a free one"
-                        )
-                self.metrics_port = self.metrics_port or free_port()
-                self.http_port = self.http_port or free_port()
-                self.grpc_port = self.grpc_port or free_port()
+            self._choose_ports()
             try:
                 self._launch(prepared)
                 self._wait_ready()
@@ -218,10 +204,25 @@ class TritonServer:
                 logger.warning("port race for %s, retrying with new ports", self.spec.name)
         raise AssertionError("unreachable")
 
+    def _choose_ports(self) -> None:
+        """Free ports for a launch: fresh ones for every port the spec leaves unset (new ones on each
+        try); a port the spec fixes must be free, or PortInUse names it."""
+        if not self._fixed_ports:
+            self.http_port, self.grpc_port, self.metrics_port = (free_port(), free_port(), free_port())
+            return
+        for port in (self.http_port, self.grpc_port, self.metrics_port):
+            if port and not port_is_free(port, self.spec.host):
+                raise PortInUse(
+                    f"port {port} on {self.spec.host} is already in use; choose another for "
+                    f"{self.spec.region}/{self.spec.name} or leave it unset to pick a free one"
+                )
+        self.metrics_port = self.metrics_port or free_port()
+        self.http_port = self.http_port or free_port()
+        self.grpc_port = self.grpc_port or free_port()
+
     def _launch(self, prepared: PreparedTriton) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child, closed in stop()
-        self._log_handle = log
         logger.info(
             "starting tritonserver %s/%s: http %s grpc %s",
             self.spec.region,
@@ -230,14 +231,19 @@ class TritonServer:
             self.grpc_port,
         )
         # A new session makes the server and its Python-backend stubs one process group to signal.
-        self._proc = subprocess.Popen(
-            self.command(prepared),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=server_environment(),
-            start_new_session=True,
-        )
+        try:
+            self._proc = subprocess.Popen(
+                self.command(prepared),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=server_environment(),
+                start_new_session=True,
+            )
+        except BaseException:  # no server to stop later: its log is closed now
+            log.close()
+            raise
+        self._log_handle = log
 
     def log_text(self) -> str:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -14,8 +15,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from skewserve.errors import ModelLoadError, PortInUse, TritonNotInstalled
+from skewserve.ports import free_port
 from skewserve.triton_dist import PreparedTriton, prepare_triton, server_environment
-from skewserve.triton_process import TritonFleet, TritonServer, TritonServerSpec
+from skewserve.triton_process import TritonFleet, TritonServer, TritonServerSpec, start_servers, stop_servers
 from tests.fixtures_models import write_affine_model
 from tests.waiting import wait_until
 
@@ -162,6 +164,67 @@ def test_taken_port_is_refused_with_its_number(
         spec = TritonServerSpec(repository=affine_repo, http_port=port)
         with pytest.raises(PortInUse, match=f"port {port} on 127.0.0.1 is already in use"):
             TritonServer(spec, log_dir, prepared_triton).start()
+
+
+def test_a_fleet_member_fixing_one_port_gets_free_ones_for_the_rest(
+    affine_repo: Path, log_dir: Path, prepared_triton: PreparedTriton
+) -> None:
+    """Started with others (start_servers, as fleets start), a spec that fixes only its HTTP port is
+    served there, with free gRPC and metrics ports chosen for it, as a server started alone is."""
+    http_port = free_port()
+    fixed = TritonServer(
+        TritonServerSpec(repository=affine_repo, name="fixed", http_port=http_port), log_dir, prepared_triton
+    )
+    free = TritonServer(TritonServerSpec(repository=affine_repo, name="free"), log_dir, prepared_triton)
+    start_servers([fixed, free])
+    try:
+        assert fixed.http_port == http_port and 0 not in (fixed.grpc_port, fixed.metrics_port)
+        np.testing.assert_array_equal(_infer_http(fixed.http_address), X * 2 + 1)
+        np.testing.assert_array_equal(_infer_grpc(fixed.grpc_address), X * 2 + 1)
+    finally:
+        stop_servers([fixed, free])
+
+
+def test_a_fleet_member_whose_fixed_port_is_taken_is_refused_and_none_left_running(
+    affine_repo: Path, log_dir: Path, prepared_triton: PreparedTriton
+) -> None:
+    free = TritonServer(TritonServerSpec(repository=affine_repo, name="free"), log_dir, prepared_triton)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        taken = TritonServer(
+            TritonServerSpec(repository=affine_repo, name="taken", grpc_port=port), log_dir, prepared_triton
+        )
+        with pytest.raises(
+            PortInUse, match=f"port {port} on 127.0.0.1 is already in use; choose another for local/taken"
+        ):
+            start_servers([free, taken])
+    assert not free.is_running() and not taken.is_running()
+
+
+def test_a_server_listed_twice_is_refused_before_any_starts(
+    affine_repo: Path, log_dir: Path, prepared_triton: PreparedTriton
+) -> None:
+    server = TritonServer(TritonServerSpec(repository=affine_repo), log_dir, prepared_triton)
+    with pytest.raises(ValueError, match="a server is listed twice; list each once"):
+        start_servers([server, server])
+    assert server.pid is None
+
+
+def test_a_server_that_cannot_be_launched_leaves_no_open_log(
+    affine_repo: Path, tmp_path: Path, prepared_triton: PreparedTriton
+) -> None:
+    broken = PreparedTriton(tmp_path / "no-triton-here")  # no binary to run
+    server = TritonServer(TritonServerSpec(repository=affine_repo), tmp_path / "logs", broken)
+    with pytest.raises(FileNotFoundError):
+        start_servers([server])
+    open_logs = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") == str(server.log_path):
+                open_logs.append(fd)
+    assert open_logs == []
 
 
 def test_missing_repository_is_refused(tmp_path: Path) -> None:
