@@ -92,6 +92,7 @@ class RegionAutoscaler:
         # orders a launch against a stop, so no server is launched once the stop has looked.
         self._lock = threading.Lock()
         self._starting: list[TritonServer] = []
+        self._closed = False  # `stop` has collected the servers to stop
 
     @property
     def discover(self) -> dict[str, Any]:
@@ -126,14 +127,21 @@ class RegionAutoscaler:
         strict (the initial servers): a server that does not start raises with Triton's reason;
         otherwise it is logged and left out, and the next decision tries again.
         """
-        with self._lock:
+        launch_error: BaseException | None = None
+        with self._lock:  # a server is launched and counted as loading before a stop can look
             if self._stop.is_set():
                 return
-            free = [h for h in self.hosts if h not in self.servers][:count]
-            started = [self._new_server(h) for h in free]
+            busy = set(self.servers) | {s.spec.host for s in self._starting}
+            started = [self._new_server(h) for h in self.hosts if h not in busy][:count]
             self._starting += started
-            for server in started:
-                server._launch(self.prepared)
+            try:
+                for server in started:
+                    server._launch(self.prepared)
+            except BaseException as exc:  # the OS refused a process: none of this step's may stay
+                launch_error = exc
+        if launch_error is not None:
+            self._give_up(started)
+            raise launch_error
         failure: Exception | None = None
         try:
             for server in started:
@@ -145,23 +153,36 @@ class RegionAutoscaler:
                             "autoscaler: %s failed to start, not published: %s", server.spec.host, exc
                         )
                         failure = failure or exc
-                    server.stop()
+                    self._give_up([server])
                     continue
-                with self._lock:
-                    if not self._stop.is_set():  # else `stop` has it among the loading ones
-                        self.servers[server.spec.host] = server
+                self._ready(server)
         except BaseException:  # interrupted (Ctrl-C during the first servers' start): none is left running
-            stop_servers(s for s in started if s.spec.host not in self.servers)
+            self._give_up(started)
             raise
-        finally:
-            with self._lock:
-                self._starting = [s for s in self._starting if s not in started]
         if self._stop.is_set():
             return
         if strict and failure is not None:
             raise failure
         self.dns.publish(self.dns_name, set(self.servers))
         logger.info("autoscaler %s: %d server(s) now", self.region, len(self.servers))
+
+    def _ready(self, server: TritonServer) -> None:
+        """A started server is ready: it joins `servers`, unless the final stop has already collected
+        them (its thread outlived the stop's wait), in which case it is stopped here."""
+        with self._lock:
+            self._starting.remove(server)
+            closed = self._closed
+            if not closed:
+                self.servers[server.spec.host] = server
+        if closed:
+            server.stop()
+
+    def _give_up(self, servers: list[TritonServer]) -> None:
+        """Stop servers of this step that will not be published, and stop counting them as loading."""
+        with self._lock:
+            self._starting = [s for s in self._starting if s not in servers]
+            unpublished = [s for s in servers if self.servers.get(s.spec.host) is not s]
+        stop_servers(unpublished)
 
     def remove(self, count: int) -> None:
         """Unpublish the newest servers, wait until the gateway dropped them, then stop them."""
@@ -237,6 +258,12 @@ class RegionAutoscaler:
         self._thread = threading.Thread(target=self.run, name=f"autoscaler-{self.region}", daemon=True)
         self._thread.start()
 
+    def pause(self) -> None:
+        """No more scaling: the loop decides nothing more and no server is launched (servers keep
+        running until `stop`)."""
+        with self._lock:
+            self._stop.set()
+
     def stop(self) -> None:
         """Stop the control loop and every server, those still loading included (an `add` waiting on
         them returns as they exit, publishing nothing)."""
@@ -248,7 +275,8 @@ class RegionAutoscaler:
             self._thread.join(60)
         self.dns.publish(self.dns_name, set())
         with self._lock:
-            servers = list(self.servers.values())
+            self._closed = True  # a server that gets ready after this stops itself (`_ready`)
+            servers = [*self.servers.values(), *self._starting]
             self.servers.clear()
         stop_servers(servers)
 

@@ -319,7 +319,7 @@ class LocalStack:
         if self.edge is not None:
             self.edge.stop()  # its clients' requests end at the edge before the cloud goes
         for scaler in self.autoscalers:
-            scaler._stop.set()  # no scaling while the gateway goes away
+            scaler.pause()  # no scaling while the gateway goes away
         if self.gateway is not None:
             self.gateway.stop()
             self.gateway = None

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -130,7 +131,8 @@ class TritonServer:
         self.log_dir = Path(log_dir)
         self._prepared = prepared
         self._proc: subprocess.Popen[bytes] | None = None
-        self._fixed_ports = spec.http_port is not None or spec.grpc_port is not None
+        self._fixed_ports = any(p is not None for p in (spec.http_port, spec.grpc_port, spec.metrics_port))
+        self._reap_lock = threading.Lock()  # one thread reaps: a second finds the server gone
         self.http_port = spec.http_port or 0
         self.grpc_port = spec.grpc_port or 0
         self.metrics_port = spec.metrics_port or 0
@@ -260,8 +262,10 @@ class TritonServer:
         deadline = time.monotonic() + self.spec.startup_timeout_s
         url = f"{self.http_url}/v2/health/ready"
         while time.monotonic() < deadline:
-            assert self._proc is not None
-            code = self._proc.poll()
+            proc = self._proc
+            if proc is None:  # another thread stopped it (a shutdown during a scale-up)
+                raise TritonStartError(f"tritonserver {self.spec.name} was stopped while starting")
+            code = proc.poll()
             if code is not None:
                 text = self.log_text()
                 if _PORT_TAKEN.search(text):
@@ -306,6 +310,10 @@ class TritonServer:
 
     def _reap(self, deadline: float) -> None:
         """Wait for the exit until `deadline`, then SIGKILL whatever of the group is left."""
+        with self._reap_lock:
+            self._reap_locked(deadline)
+
+    def _reap_locked(self, deadline: float) -> None:
         proc = self._proc
         if proc is None:
             return

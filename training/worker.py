@@ -13,6 +13,7 @@ waiting in the all-reduce for slower ranks. Marks go through a `StepClock`: CUDA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import gc
 import json
@@ -289,9 +290,6 @@ class Trainer:
             self.optimizer, _lr_lambda(total_steps, int(cfg.warmup_fraction * total_steps))
         )
         self.scaler = grad_scaler(self.placement)
-        self.monitor = SkewMonitor(
-            cfg.checkpoint_dir, self.rank, self.world, len(self.data.classes), device=self.device
-        )
         # Batches are read by DataLoader workers (tables: in this process), pinned on CUDA and copied
         # non_blocking; the batch sampler hands out this rank's share of each global batch.
         self.workers = resolve_workers(cfg, spec.kind)
@@ -314,6 +312,11 @@ class Trainer:
             # one: otherwise every epoch's (and every evaluation's) loader shifts the stream dropout
             # and input noise draw from, and results depend on how often the loop evaluates.
             generator=torch.Generator().manual_seed(cfg.seed),
+        )
+        # Last: it opens the step log and the live metrics listener, which `run` closes if the run
+        # fails (nothing after this line can fail before `fit`).
+        self.monitor = SkewMonitor(
+            cfg.checkpoint_dir, self.rank, self.world, len(self.data.classes), device=self.device
         )
         self.start_epoch = 0
         self.resumed_from_epoch: int | None = None
@@ -635,10 +638,13 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     trainer = Trainer(cfg)
     try:
         return trainer.fit()
-    finally:
+    except BaseException:
         # A run that failed (a refused resume, bad data mid-epoch) in a process that goes on, as
         # `train` in-process does: its metrics port and step log are given back, not held until exit.
-        trainer.monitor.close()
+        # The run's own error is what the caller sees, even if closing fails too.
+        with contextlib.suppress(Exception):
+            trainer.monitor.close()
+        raise
 
 
 def main(argv: list[str] | None = None) -> None:

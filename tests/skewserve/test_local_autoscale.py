@@ -10,6 +10,7 @@ README's figure is `benchmarks/autoscale_local.py`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -188,12 +189,15 @@ def _tritons_serving(repo: Path) -> list[int]:
     return pids
 
 
+@pytest.mark.parametrize("shutdown", ["stop", "pause_then_stop"])
 def test_stopping_during_a_scale_up_leaves_no_server_running(
-    tmp_path: Path, prepared_triton: PreparedTriton
+    tmp_path: Path, prepared_triton: PreparedTriton, shutdown: str
 ) -> None:
     """`skewserve up --autoscale` stopped (Ctrl-C) while a server it is adding still loads its models:
-    that server is stopped with the others, not left running unpublished after the command exits."""
-    repo = tmp_path / "repo"
+    that server is stopped with the others, not left running unpublished after the command exits.
+    `pause_then_stop` is the stack's order: scaling paused first, the load finishing while the gateway
+    goes away, the servers stopped last."""
+    repo = (tmp_path / "repo").resolve()  # as the spec names it
     write_python_model(repo, "held", SLOW_PY.format(sleep_s=0))
     gate = tmp_path / "load-may-finish"
     code = repo / "held" / "1" / "model.py"
@@ -218,6 +222,11 @@ def test_stopping_during_a_scale_up_leaves_no_server_running(
         adding.start()
         wait_until(lambda: Path(f"{gate}.waiting").exists(), 120, "the new server to load its model")
         assert len(_tritons_serving(repo)) == 1
+        if shutdown == "pause_then_stop":
+            scaler.pause()
+            gate.touch()
+            adding.join(120)
+            assert not adding.is_alive() and len(_tritons_serving(repo)) == 1  # ready, not published
         scaler.stop()
         assert _tritons_serving(repo) == []
         adding.join(60)
@@ -226,6 +235,7 @@ def test_stopping_during_a_scale_up_leaves_no_server_running(
     finally:
         gate.touch()
         for pid in _tritons_serving(repo):  # what a failed run left: the next test must not find it
-            os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
         adding.join(60)
         dns.close()

@@ -207,9 +207,12 @@ def test_a_server_listed_twice_is_refused_before_any_starts(
     affine_repo: Path, log_dir: Path, prepared_triton: PreparedTriton
 ) -> None:
     server = TritonServer(TritonServerSpec(repository=affine_repo), log_dir, prepared_triton)
-    with pytest.raises(ValueError, match="a server is listed twice; list each once"):
-        start_servers([server, server])
-    assert server.pid is None
+    try:
+        with pytest.raises(ValueError, match="a server is listed twice; list each once"):
+            start_servers([server, server])
+        assert server.pid is None
+    finally:
+        server.stop()
 
 
 def test_a_server_that_cannot_be_launched_leaves_no_open_log(
