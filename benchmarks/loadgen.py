@@ -19,7 +19,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,18 +200,45 @@ backend triton_grpc
 
 
 def _wait_listening(port: int, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    name = Path(str(proc.args[0] if isinstance(proc.args, list) else proc.args)).name
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise LoadToolError(f"haproxy exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
+            raise LoadToolError(f"{name} exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
             return
         except OSError:
             time.sleep(0.05)
     raise LoadToolError(
-        f"haproxy not listening on {port} after {timeout_s}s:\n{log.read_text(errors='replace')}"
+        f"{name} not listening on {port} after {timeout_s}s:\n{log.read_text(errors='replace')}"
     )
+
+
+@contextmanager
+def listening_process(
+    cmd: list[str],
+    ports: Sequence[int],
+    log: Path,
+    timeout_s: float = 10.0,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> Iterator[int]:
+    """Run `cmd` (its output to `log`) until the block exits; yields its pid once it listens on
+    every one of `ports` on loopback."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    try:
+        for port in ports:
+            _wait_listening(port, proc, log, timeout_s)
+        yield proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
 
 
 @contextmanager
@@ -222,19 +249,8 @@ def haproxy_reference(
     cfg, log = workdir / "haproxy-reference.cfg", workdir / "haproxy-reference.log"
     cfg.write_text(haproxy_config(ports[0], ports[1], http_target, grpc_target))
     _run([haproxy, "-c", "-q", "-f", str(cfg)], timeout_s=30)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([haproxy, "-db", "-f", str(cfg)], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        for port in ports:
-            _wait_listening(port, proc, log, timeout_s=10)
-        yield HaproxyReference(proc.pid, f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    with listening_process([haproxy, "-db", "-f", str(cfg)], ports, log) as pid:
+        yield HaproxyReference(pid, f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}")
 
 
 # --- CPU of a process tree ---------------------------------------------------------------------

@@ -27,13 +27,9 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,31 +112,12 @@ async def passthrough_app(scope: Any, proto: Any) -> None:
 # --- the probe ------------------------------------------------------------------------------------
 
 
-def _wait_listening(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"a probed server exited ({proc.returncode}): {log.read_text()[-2000:]}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on port {port} after 30 s: {log.read_text()[-2000:]}")
+def _server(
+    cmd: list[str], port: int, env: dict[str, str], log: Path
+) -> contextlib.AbstractContextManager[int]:
+    from benchmarks.loadgen import listening_process
 
-
-@contextlib.contextmanager
-def _server(cmd: list[str], port: int, env: dict[str, str], log: Path) -> Iterator[int]:
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    try:
-        _wait_listening(port, proc, log)
-        yield proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return listening_process(cmd, [port], log, timeout_s=30, env=env, cwd=ROOT)
 
 
 def _granian(target: str, port: int, extra: list[str]) -> list[str]:
