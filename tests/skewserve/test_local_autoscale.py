@@ -11,6 +11,7 @@ README's figure is `benchmarks/autoscale_local.py`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -18,6 +19,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,7 @@ from skewserve.local_autoscale import RegionAutoscaler
 from skewserve.loopback_dns import LoopbackDns
 from skewserve.stack import LocalStack, StackConfig
 from skewserve.triton_dist import PreparedTriton
+from skewserve.triton_process import TritonServer
 from tests.gateway.test_hostile_health import BOOM_BODY, SLOW_PY, hostile_repo, write_python_model
 from tests.waiting import wait_until
 
@@ -189,22 +193,39 @@ def _tritons_serving(repo: Path) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("shutdown", ["stop", "pause_then_stop"])
-def test_stopping_during_a_scale_up_leaves_no_server_running(
-    tmp_path: Path, prepared_triton: PreparedTriton, shutdown: str
-) -> None:
-    """`skewserve up --autoscale` stopped (Ctrl-C) while a server it is adding still loads its models:
-    that server is stopped with the others, not left running unpublished after the command exits.
-    `pause_then_stop` is the stack's order: scaling paused first, the load finishing while the gateway
-    goes away, the servers stopped last."""
+@dataclass
+class GatedRegion:
+    """A region's autoscaler whose servers' model loads wait for a gate file (each leaves a marker)."""
+
+    scaler: RegionAutoscaler
+    repo: Path
+    gate: Path
+    dns: LoopbackDns
+
+    def loading(self) -> int:
+        """Servers whose model load has started and waits for the gate."""
+        return len(list(self.gate.parent.glob(f"{self.gate.name}.*.waiting")))
+
+    def hosts_serving(self) -> list[str]:
+        """The loopback address of each live Triton of this region."""
+        hosts = []
+        for pid in _tritons_serving(self.repo):
+            with contextlib.suppress(OSError):
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                hosts += [a.split(b"=", 1)[1].decode() for a in args if a.startswith(b"--http-address=")]
+        return sorted(hosts)
+
+
+@pytest.fixture
+def gated_region(tmp_path: Path, prepared_triton: PreparedTriton) -> Iterator[GatedRegion]:
     repo = (tmp_path / "repo").resolve()  # as the spec names it
     write_python_model(repo, "held", SLOW_PY.format(sleep_s=0))
     gate = tmp_path / "load-may-finish"
     code = repo / "held" / "1" / "model.py"
     code.write_text(  # the model's load, in Triton's Python stub, waits for the gate
         code.read_text()
-        + "\n\nimport pathlib as _pathlib, time as _time\n"
-        + f"_pathlib.Path({str(gate)!r} + '.waiting').touch()\n"
+        + "\n\nimport os as _os, pathlib as _pathlib, time as _time\n"
+        + f"_pathlib.Path({str(gate)!r} + f'.{{_os.getpid()}}.waiting').touch()\n"
         + f"while not _pathlib.Path({str(gate)!r}).exists():\n    _time.sleep(0.01)\n"
     )
     dns = LoopbackDns()
@@ -217,25 +238,90 @@ def test_stopping_during_a_scale_up_leaves_no_server_running(
         prepared_triton,
         dns,
     )
-    adding = threading.Thread(target=scaler.add, args=(1,), daemon=True)  # as the control loop adds
     try:
-        adding.start()
-        wait_until(lambda: Path(f"{gate}.waiting").exists(), 120, "the new server to load its model")
-        assert len(_tritons_serving(repo)) == 1
-        if shutdown == "pause_then_stop":
-            scaler.pause()
-            gate.touch()
-            adding.join(120)
-            assert not adding.is_alive() and len(_tritons_serving(repo)) == 1  # ready, not published
-        scaler.stop()
-        assert _tritons_serving(repo) == []
-        adding.join(60)
-        assert not adding.is_alive()
-        assert scaler.servers == {} and dns.addresses(scaler.dns_name) == frozenset()  # never published
+        yield GatedRegion(scaler, repo, gate, dns)
     finally:
         gate.touch()
+        scaler.stop()
         for pid in _tritons_serving(repo):  # what a failed run left: the next test must not find it
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-        adding.join(60)
         dns.close()
+
+
+@pytest.mark.parametrize("shutdown", ["stop", "pause_then_stop"])
+def test_stopping_during_a_scale_up_leaves_no_server_running(
+    gated_region: GatedRegion, shutdown: str
+) -> None:
+    """`skewserve up --autoscale` stopped (Ctrl-C) while a server it is adding still loads its models:
+    that server is stopped with the others, not left running unpublished after the command exits.
+    `pause_then_stop` is the stack's order: scaling paused first, the load finishing while the gateway
+    goes away, the servers stopped last."""
+    region, scaler = gated_region, gated_region.scaler
+    adding = threading.Thread(target=scaler.add, args=(1,), daemon=True)  # as the control loop adds
+    adding.start()
+    try:
+        wait_until(lambda: region.loading() == 1, 120, "the new server to load its model")
+        assert len(_tritons_serving(region.repo)) == 1
+        if shutdown == "pause_then_stop":
+            scaler.pause()
+            region.gate.touch()
+            adding.join(120)
+            assert not adding.is_alive() and len(_tritons_serving(region.repo)) == 1  # ready, not published
+        scaler.stop()
+        assert _tritons_serving(region.repo) == []
+        adding.join(60)
+        assert not adding.is_alive()
+        assert (
+            scaler.servers == {} and region.dns.addresses(scaler.dns_name) == frozenset()
+        )  # never published
+    finally:
+        region.gate.touch()
+        adding.join(60)
+
+
+def test_a_host_still_loading_is_not_given_a_second_server(gated_region: GatedRegion) -> None:
+    """Two scale-ups while the first's server still loads: the second server gets the next address
+    (the same address and ports twice would leave the second unable to bind)."""
+    region, scaler = gated_region, gated_region.scaler
+    adds = [threading.Thread(target=scaler.add, args=(1,), daemon=True) for _ in range(2)]
+    try:
+        adds[0].start()
+        wait_until(lambda: region.loading() == 1, 120, "the first server to load its model")
+        adds[1].start()
+        wait_until(lambda: region.loading() == 2, 120, "the second server to load its model")
+        assert region.hosts_serving() == ["127.10.0.1", "127.10.0.2"]
+        region.gate.touch()
+        for thread in adds:
+            thread.join(120)
+            assert not thread.is_alive()
+        assert sorted(scaler.servers) == ["127.10.0.1", "127.10.0.2"]
+        assert region.dns.addresses(scaler.dns_name) == frozenset(scaler.servers)
+    finally:
+        region.gate.touch()
+        for thread in adds:
+            if thread.ident is not None:
+                thread.join(60)
+
+
+def test_a_launch_the_os_refuses_leaves_none_of_its_step_running(
+    gated_region: GatedRegion, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scale-up of two whose second process the OS refuses (out of file descriptors): the error is
+    raised and the first server, already launched, is stopped rather than left loading unpublished."""
+    region, scaler = gated_region, gated_region.scaler
+    launch = TritonServer._launch
+    launched: list[TritonServer] = []
+
+    def refused_second(server: TritonServer, prepared: PreparedTriton) -> None:
+        launched.append(server)
+        if len(launched) == 2:
+            raise OSError(errno.EMFILE, "Too many open files")
+        launch(server, prepared)
+
+    monkeypatch.setattr(TritonServer, "_launch", refused_second)
+    with pytest.raises(OSError, match="Too many open files"):
+        scaler.add(2)
+    assert len(launched) == 2
+    assert _tritons_serving(region.repo) == [] and scaler.servers == {}
+    assert region.dns.addresses(scaler.dns_name) == frozenset()

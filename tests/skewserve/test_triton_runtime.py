@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import threading
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -183,6 +184,17 @@ def test_a_fleet_member_fixing_one_port_gets_free_ones_for_the_rest(
         np.testing.assert_array_equal(_infer_grpc(fixed.grpc_address), X * 2 + 1)
     finally:
         stop_servers([fixed, free])
+
+
+def test_a_spec_fixing_only_its_metrics_port_keeps_it(
+    affine_repo: Path, log_dir: Path, prepared_triton: PreparedTriton
+) -> None:
+    metrics_port = free_port()
+    spec = TritonServerSpec(repository=affine_repo, name="metrics", metrics_port=metrics_port)
+    with TritonServer(spec, log_dir, prepared_triton) as server:
+        assert server.metrics_port == metrics_port
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            assert b"nv_inference_count" in r.read()
 
 
 def test_a_fleet_member_whose_fixed_port_is_taken_is_refused_and_none_left_running(

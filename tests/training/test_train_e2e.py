@@ -16,6 +16,7 @@ from training.config import TrainConfig
 from training.errors import CheckpointError, TrainingError
 from training.launch import train
 from training.metrics_export import PORT_ENV
+from training.monitor import SkewMonitor
 
 
 @pytest.mark.slow
@@ -100,6 +101,24 @@ def test_a_refused_run_in_process_gives_back_its_metrics_port_and_files(
         with pytest.raises(CheckpointError, match="loss: checkpoint 'logit_adjusted' vs now 'focal'"):
             train(changed)
     assert _open_files_under(out) == []
+
+
+def test_a_failing_close_does_not_hide_why_the_run_failed(
+    small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "r"
+    train(TrainConfig(data_dir=small_data, out_dir=out, epochs=1, progress=False))
+    close = SkewMonitor.close
+
+    def close_then_fail(monitor: SkewMonitor) -> None:
+        close(monitor)
+        raise OSError("the step log's disk went away")
+
+    monkeypatch.setattr(SkewMonitor, "close", close_then_fail)
+    with pytest.raises(CheckpointError, match="loss: checkpoint 'logit_adjusted' vs now 'focal'"):
+        train(
+            TrainConfig(data_dir=small_data, out_dir=out, epochs=1, loss="focal", resume=True, progress=False)
+        )
 
 
 def test_config_contradictions_name_field_and_fix(small_data: Path, tmp_path: Path) -> None:
