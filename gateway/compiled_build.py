@@ -57,6 +57,7 @@ COMPILED: tuple[str, ...] = (
     "gateway/fronts/http_infer.py",
     "gateway/fleet/balancer.py",
     "gateway/fleet/dispatch.py",
+    "gateway/fleet/model_index.py",
     "gateway/fleet/router.py",
     "gateway/operations/metrics.py",
     "gateway/operations/step_costs.py",

@@ -37,7 +37,7 @@ from gateway.state.redis_link import RedisLink
 from gateway.state.stream_slots import StreamSlots
 from gateway.task_stop import cancel_all_and_wait
 from gateway.upstream.grpc_relay import GrpcRelay
-from gateway.upstream.server import UpstreamServer
+from gateway.upstream.server import FLEET_CHANGES, UpstreamServer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -97,7 +97,7 @@ class Gateway:
             else None
         )
         # models in canary: pinned versions, canary shares, shadow traffic (from the controller)
-        self.traffic = Traffic(cfg.traffic, lambda: self.servers, cfg.home_region) if cfg.traffic else None
+        self.traffic = Traffic(cfg.traffic, self.router.listed, cfg.home_region) if cfg.traffic else None
         self.shadow = Shadow(cfg.traffic, clock) if cfg.traffic else None
         if self.traffic is not None:
             self.metrics.attach_traffic(lambda: self.traffic.plans if self.traffic else {})
@@ -239,6 +239,7 @@ class Gateway:
             return False
         region.servers.append(server)
         self.servers.append(server)  # the health checker's and outlier detector's list too
+        FLEET_CHANGES.bump()
         self.metrics.server_joined(server.region, server.name)
         logger.info("server %s joined %s (ready: %s)", server.name, server.region, server.healthy)
         return True
@@ -251,6 +252,7 @@ class Gateway:
             region.servers.remove(server)
         if server in self.servers:
             self.servers.remove(server)
+        FLEET_CHANGES.bump()
         task = asyncio.get_running_loop().create_task(self._close_when_idle(server))
         self._leaving.add(task)
         task.add_done_callback(self._leaving.discard)
@@ -317,9 +319,7 @@ class Gateway:
     def model_label(self, model: str) -> str:
         """`model` as a metric label: itself when a server has reported it loaded and this request
         was admitted to it; otherwise OTHER_MODEL, so invented names cannot grow /metrics."""
-        if _ADMITTED.get() == model and (
-            model in self.cascades or any(model in s.known_models for s in self.servers)
-        ):
+        if _ADMITTED.get() == model and (model in self.cascades or self.router.knows_model(model)):
             return model
         return OTHER_MODEL
 

@@ -132,7 +132,7 @@ async def _confirmed_gone(body: bytes, model: str, server: UpstreamServer, route
     if model not in server.ready_models:
         return True
     if _says_gone(body, model):
-        server.ready_models.pop(model, None)  # the next probe lists it again if it is back
+        server.forget_model(model)  # the next probe lists it again if it is back
         return True
     path = f"/v2/models/{urllib.parse.quote(model, safe='')}/ready".encode()
     try:
@@ -141,7 +141,7 @@ async def _confirmed_gone(body: bytes, model: str, server: UpstreamServer, route
         return False  # cannot tell: the answer stands as Triton gave it
     if answer.status == 200:
         return False
-    server.ready_models.pop(model, None)
+    server.forget_model(model)
     return True
 
 
@@ -238,7 +238,7 @@ class Dispatcher:
                 if stale is not None:
                     # The health view listed the version ready here; Triton did not run the request:
                     # another server may serve it now, this one once a probe lists it again.
-                    self.forget_version(server, model, stale)
+                    server.forget_version(model, stale)
                     raise _gone(server, model)
             if (
                 isinstance(value, HttpResponse)
@@ -258,14 +258,6 @@ class Dispatcher:
             return value
         finally:
             server.inflight -= 1
-
-    @staticmethod
-    def forget_version(server: UpstreamServer, model: str, version: str) -> None:
-        versions = server.ready_models.get(model)
-        if versions is not None:
-            versions.discard(version)
-            if not versions:
-                server.ready_models.pop(model, None)
 
     async def send(
         self,

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from gateway.config import GatewayConfig
 from gateway.errors import BadRequest, NoReadyServer
 from gateway.fleet.balancer import Balancer
-from gateway.upstream.server import UpstreamServer
+from gateway.fleet.model_index import ModelIndex
+from gateway.upstream.server import FLEET_CHANGES, UpstreamServer
 
 
 @dataclass
@@ -72,14 +73,23 @@ class RegionRouter:
         self.regions = {r.name: r for r in regions}
         self.balancers = balancers
         self.clock = clock
+        self._index = ModelIndex()
 
     def servers(self) -> list[UpstreamServer]:
         return [s for r in self.regions.values() for s in r.servers]
+
+    def index(self) -> ModelIndex:
+        """Which servers hold which model, current with the fleet (rebuilt only after a change)."""
+        index = self._index
+        if index.stale():
+            index.build((r.name, r.servers) for r in self.regions.values())
+        return index
 
     # -- fleet changes: each is one synchronous step, so no request sees a half-made change -----
     def add_region(self, region: Region, balancer: Balancer) -> None:
         self.balancers[region.name] = balancer
         self.regions[region.name] = region
+        FLEET_CHANGES.bump()
 
     def remove_region(self, name: str) -> Region:
         """Take a region out of routing (its servers with it); never the home region."""
@@ -87,6 +97,7 @@ class RegionRouter:
             raise ValueError(f"region {name!r} is the home region: set another home_region first")
         region = self.regions.pop(name)
         self.balancers.pop(name, None)
+        FLEET_CHANGES.bump()
         return region
 
     def set_home(self, name: str) -> None:
@@ -123,10 +134,11 @@ class RegionRouter:
             order = self.region_order()
         fallback: tuple[Region, list[UpstreamServer]] | None = None
         failing: tuple[Region, list[UpstreamServer]] | None = None
+        index = self.index()
         for region in order:
             ready = [
                 s
-                for s in region.servers
+                for s in index.holders(region.name, model)
                 if s not in exclude and s.available(now) and s.has_model(model, version)
             ]
             if not ready:
@@ -152,7 +164,7 @@ class RegionRouter:
         if failing is not None:  # only failing servers anywhere: they are still the best guess
             region, ready = failing
             return self._route(region, self.balancers[region.name].pick(ready), pinned)
-        panic = self._panic_route(order, model, version, pinned, exclude, sticky, now)
+        panic = self._panic_route(index, order, model, version, pinned, exclude, sticky, now)
         if panic is not None:
             return panic
         where = f"region {pinned!r}" if pinned else "any region"
@@ -166,10 +178,11 @@ class RegionRouter:
         (in the pinned region, or any). Reads state only."""
         now = self.clock()
         regions = [self.check_pin(pinned)] if pinned is not None else self.region_order()
+        index = self.index()
         return any(
             s not in exclude and s.available(now) and s.has_model(model, version)
             for region in regions
-            for s in region.servers
+            for s in index.holders(region.name, model)
         )
 
     def _route(self, region: Region, server: UpstreamServer, pinned: str | None) -> Route:
@@ -177,6 +190,7 @@ class RegionRouter:
 
     def _panic_route(
         self,
+        index: ModelIndex,
         order: list[Region],
         model: str,
         version: str,
@@ -189,7 +203,7 @@ class RegionRouter:
         if self.panic_threshold <= 0:
             return None
         for region in order:
-            holding = [s for s in region.servers if s.has_model(model, version)]
+            holding = [s for s in index.holders(region.name, model) if s.has_model(model, version)]
             available = sum(1 for s in holding if s.available(now))
             if not holding or available * 100 >= self.panic_threshold * len(holding):
                 continue
@@ -217,16 +231,16 @@ class RegionRouter:
         raise NoReadyServer("no Triton server is ready in any region")
 
     def knows_model(self, model: str) -> bool:
-        return any(model in s.known_models for s in self.servers())
+        """Some server has held `model` (so an error for it is not "unknown model")."""
+        return self.index().known(model)
 
     def latest_version(self, model: str) -> str:
         """The highest version ready anywhere: what an unpinned request will be served by."""
-        best = -1
-        for s in self.servers():
-            for v in s.ready_models.get(model, ()):
-                if v.isdigit() and int(v) > best:
-                    best = int(v)
-        return str(best) if best >= 0 else ""
+        return self.index().latest(model)
+
+    def listed(self, model: str, version: str) -> bool:
+        """Some server has `version` of `model` ready, as last probed (healthy or not)."""
+        return self.index().listed(model, version)
 
 
 def rendezvous(key: str, servers: Sequence[UpstreamServer]) -> UpstreamServer:

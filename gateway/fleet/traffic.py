@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -29,18 +29,17 @@ from gateway.fleet.controller_token import ControllerToken
 from gateway.fleet.traffic_plan import Plan
 from gateway.fleet.traffic_tally import ModelTally, Role, TrafficReport
 from gateway.task_stop import cancel_and_wait
-from gateway.upstream.server import UpstreamServer
 
 logger = logging.getLogger(__name__)
 _HASH_SPACE = float(1 << 64)
 
 
 class Traffic:
-    def __init__(
-        self, cfg: TrafficConfig, servers: Callable[[], Iterable[UpstreamServer]], region: str
-    ) -> None:
+    def __init__(self, cfg: TrafficConfig, listed: Callable[[str, str], bool], region: str) -> None:
         self.cfg = cfg
-        self.servers = servers
+        # Whether some server has a version of a model ready (RegionRouter.listed: an index, not a
+        # walk of the fleet per request).
+        self._listed = listed
         self.region = region
         self.plans: dict[str, Plan] = {}
         self.reporter = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -84,9 +83,6 @@ class Traffic:
         """The client's fixed place in [0, 1) for this model."""
         digest = hashlib.blake2b(f"{model}\0{client_key}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big") / _HASH_SPACE
-
-    def _listed(self, model: str, version: str) -> bool:
-        return any(version in s.ready_models.get(model, ()) for s in self.servers())
 
     @staticmethod
     def record(plan: Plan, role: Role, seconds: float, ok: bool) -> None:

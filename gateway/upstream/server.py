@@ -22,6 +22,22 @@ from gateway.upstream.tls import UpstreamTls
 Clock = Callable[[], float]
 
 
+class FleetChanges:
+    """A count of changes to what any server holds or to which servers there are. Routing's model
+    index (gateway/fleet/model_index.py) is rebuilt when the count has moved since its last build,
+    so a request reads the index instead of walking every server. One count per process: a change
+    in one gateway rebuilds the index of another in the same process too, which costs only that."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def bump(self) -> None:
+        self.count += 1
+
+
+FLEET_CHANGES = FleetChanges()
+
+
 @dataclass
 class EjectionEvent:
     at: float
@@ -96,8 +112,10 @@ class UpstreamServer:
         self.open_streams = 0
         self.healthy = False  # until the first probe says ready
         self.last_probe_error = "not probed yet"
-        self.ready_models: dict[str, set[str]] = {}
-        self.known_models: set[str] = set()
+        # Read through the properties below; changed only by assigning them or through
+        # forget_model / forget_version, which count the change for routing's model index.
+        self._ready_models: dict[str, set[str]] = {}
+        self._known_models: set[str] = set()
         self.consecutive_failures = 0
         self.last_failure_at = 0.0
         self.ejections = 0
@@ -107,6 +125,45 @@ class UpstreamServer:
         self.failures = 0
 
     # -- state --------------------------------------------------------------------------------
+    @property
+    def ready_models(self) -> dict[str, set[str]]:
+        """Model -> versions ready here, as last probed. Never change it in place: assign a new dict
+        or use forget_model / forget_version, or routing will not see the change."""
+        return self._ready_models
+
+    @ready_models.setter
+    def ready_models(self, models: dict[str, set[str]]) -> None:
+        changed = models != self._ready_models  # a probe that finds nothing new rebuilds nothing
+        self._ready_models = models
+        if changed:
+            FLEET_CHANGES.bump()
+
+    @property
+    def known_models(self) -> set[str]:
+        """Every model ever probed loaded here (a model unloading for a moment is not unknown)."""
+        return self._known_models
+
+    @known_models.setter
+    def known_models(self, models: set[str]) -> None:
+        changed = models != self._known_models
+        self._known_models = models
+        if changed:
+            FLEET_CHANGES.bump()
+
+    def forget_model(self, model: str) -> None:
+        """The model is gone from here (Triton said so) until a probe lists it again."""
+        if self._ready_models.pop(model, None) is not None:
+            FLEET_CHANGES.bump()
+
+    def forget_version(self, model: str, version: str) -> None:
+        versions = self._ready_models.get(model)
+        if versions is None:
+            return
+        versions.discard(version)
+        if not versions:
+            self._ready_models.pop(model, None)
+        FLEET_CHANGES.bump()
+
     def ejected(self, now: float) -> bool:
         return now < self.ejected_until
 
@@ -114,7 +171,7 @@ class UpstreamServer:
         return self.healthy and now >= self.ejected_until
 
     def has_model(self, model: str, version: str) -> bool:
-        versions = self.ready_models.get(model)
+        versions = self._ready_models.get(model)
         return bool(versions) and (not version or version in versions)  # type: ignore[operator]
 
     def score(self) -> float:

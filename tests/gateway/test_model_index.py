@@ -1,0 +1,139 @@
+"""Routing's model index (gateway/fleet/model_index.py) answers as a walk of the fleet would, after
+every kind of change to what servers hold and to which servers there are; and a health probe that
+finds what it found before rebuilds nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from gateway.config import GatewayConfig, ServerConfig
+from gateway.core import Gateway
+from gateway.upstream.server import FLEET_CHANGES, UpstreamServer
+
+MODELS = ("m0", "m1", "m2", "m3")
+VERSIONS = ("", "1", "2", "10")
+
+
+def _config() -> GatewayConfig:
+    return GatewayConfig(
+        home_region="a",
+        regions=[
+            {
+                "name": "a",
+                "servers": [
+                    {"name": f"a{i}", "http": "127.0.0.1:1", "grpc": "127.0.0.1:2"} for i in range(3)
+                ],
+            },
+            {"name": "b", "servers": [{"name": "b0", "http": "127.0.0.1:1", "grpc": "127.0.0.1:2"}]},
+        ],
+    )
+
+
+def _walk_latest(gw: Gateway, model: str) -> str:
+    numbered = [int(v) for s in gw.router.servers() for v in s.ready_models.get(model, ()) if v.isdigit()]
+    return str(max(numbered)) if numbered else ""
+
+
+def _assert_index_equals_the_walk(gw: Gateway, step: str) -> None:
+    router = gw.router
+    index = router.index()
+    servers = router.servers()
+    for model in MODELS:
+        assert router.latest_version(model) == _walk_latest(gw, model), step
+        assert router.knows_model(model) == any(model in s.known_models for s in servers), step
+        for version in VERSIONS[1:]:
+            listed = any(version in s.ready_models.get(model, ()) for s in servers)
+            assert router.listed(model, version) == listed, step
+        for region in router.regions.values():
+            for version in VERSIONS:
+                holding = [s for s in region.servers if s.has_model(model, version)]
+                indexed = [s for s in index.holders(region.name, model) if s.has_model(model, version)]
+                assert indexed == holding, f"{step}: region {region.name} {model} v{version!r}"
+            assert router.has_alternative(model, "", region.name, ()) == any(
+                s.available(0.0) and s.has_model(model, "") for s in region.servers
+            ), step
+
+
+def _random_models(rng: random.Random) -> dict[str, set[str]]:
+    return {m: {v for v in VERSIONS[1:] if rng.random() < 0.5} for m in MODELS if rng.random() < 0.5}
+
+
+def test_the_index_answers_as_the_walk_after_every_kind_of_change() -> None:
+    """400 random changes of every kind the gateway makes (a probe's models, a version or model
+    Triton said is gone, servers joining and leaving, regions added and removed): after each, every
+    routing answer read from the index equals the same answer walking the fleet."""
+    rng = random.Random(39)
+
+    async def run() -> None:
+        gw = Gateway(_config(), clock=lambda: 0.0)
+        joined = 0
+        for server in gw.router.servers():
+            server.healthy = True
+        _assert_index_equals_the_walk(gw, "start")
+        for step in range(400):
+            servers = gw.router.servers()
+            server = rng.choice(servers) if servers else None
+            kind = rng.choice(("probe", "known", "forget_model", "forget_version", "join", "leave", "region"))
+            if kind == "probe" and server is not None:
+                server.ready_models = _random_models(rng)
+                server.known_models = server.known_models | set(server.ready_models)
+            elif kind == "known" and server is not None:
+                server.known_models = {m for m in MODELS if rng.random() < 0.5}
+            elif kind == "forget_model" and server is not None:
+                server.forget_model(rng.choice(MODELS))
+            elif kind == "forget_version" and server is not None:
+                server.forget_version(rng.choice(MODELS), rng.choice(VERSIONS[1:]))
+            elif kind == "join":
+                region = rng.choice(sorted(gw.router.regions))
+                joined += 1
+                new = UpstreamServer(
+                    ServerConfig(name=f"j{joined}", http="127.0.0.1:1", grpc="127.0.0.1:2"), region, 1.0, 1.0
+                )
+                new.healthy, new.ready_models = True, _random_models(rng)
+                gw.router.index()  # built with the probed server outside: joining must count
+                assert gw.attach_server(new)
+            elif kind == "leave" and server is not None and len(servers) > 1:
+                gw.remove_server(server)
+            elif kind == "region":
+                if "c" in gw.router.regions:
+                    gw.remove_region("c")
+                else:
+                    gw.add_region("c", 5.0)
+            _assert_index_equals_the_walk(gw, f"step {step} ({kind})")
+        await gw.stop()  # removed servers' drain tasks end and close them
+
+    asyncio.run(run())
+
+
+def test_probes_of_a_real_triton_that_find_nothing_new_rebuild_nothing(one_triton) -> None:
+    """A gateway probing a real Triton builds its index once from the first probe; later rounds
+    that find the same models change nothing, so a request never pays for a rebuild in a steady
+    fleet. Routing reads the index: the server's model routes, at the version Triton reports."""
+    triton = one_triton["us-east"][0]
+    cfg = GatewayConfig(
+        home_region="us-east",
+        regions=[
+            {
+                "name": "us-east",
+                "servers": [{"name": "t0", "http": triton.http_address, "grpc": triton.grpc_address}],
+            }
+        ],
+    )
+
+    async def run() -> None:
+        gw = Gateway(cfg)
+        try:
+            await gw.health.probe_all()
+            assert gw.router.route("lt", "").server.name == "t0"
+            assert gw.router.latest_version("lt") == "1" and gw.router.knows_model("lt_nocache")
+            index = gw.router.index()
+            builds, changes = index.builds, FLEET_CHANGES.count
+            for _ in range(3):
+                await gw.health.probe_all()
+                gw.router.route("lt", "")
+            assert (FLEET_CHANGES.count, index.builds) == (changes, builds)
+        finally:
+            await gw.stop()
+
+    asyncio.run(run())
