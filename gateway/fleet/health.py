@@ -142,7 +142,7 @@ class HealthChecker:
         ):
             server.ejections = 0  # well-behaved for a full back-off period: start over
 
-    async def _probe(self, server: UpstreamServer) -> tuple[bool, dict[str, set[str]], set[str]]:
+    async def _probe(self, server: UpstreamServer) -> tuple[bool, dict[str, set[str]], frozenset[str]]:
         t = self.cfg.timeout_s
         if self.protocol == "grpc":
             raw = await server.grpc_call(

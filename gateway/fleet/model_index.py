@@ -19,6 +19,17 @@ from gateway.upstream.server import FLEET_CHANGES, UpstreamServer
 _NONE: list[UpstreamServer] = []
 
 
+def _number(version: str) -> int:
+    """A version's number, or -1 when it has none (a name, "²", digits beyond int()'s limit): one
+    server reporting an odd version must not make every request's routing raise."""
+    if not (version.isascii() and version.isdigit()):
+        return -1
+    try:
+        return int(version)
+    except ValueError:
+        return -1
+
+
 class ModelIndex:
     def __init__(self) -> None:
         self.built_at = -1  # FLEET_CHANGES.count when built: never yet
@@ -48,7 +59,7 @@ class ModelIndex:
             holders[name] = held
         latest: dict[str, str] = {}
         for model, ready in versions.items():
-            numbered = [int(v) for v in ready if v.isdigit()]
+            numbered = [n for n in map(_number, ready) if n >= 0]
             if numbered:
                 latest[model] = str(max(numbered))
         self._holders, self._versions, self._latest, self._known = holders, versions, latest, known

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +115,7 @@ class UpstreamServer:
         # Read through the properties below; changed only by assigning them or through
         # forget_model / forget_version, which count the change for routing's model index.
         self._ready_models: dict[str, set[str]] = {}
-        self._known_models: set[str] = set()
+        self._known_models: frozenset[str] = frozenset()
         self.consecutive_failures = 0
         self.last_failure_at = 0.0
         self.ejections = 0
@@ -126,29 +126,30 @@ class UpstreamServer:
 
     # -- state --------------------------------------------------------------------------------
     @property
-    def ready_models(self) -> dict[str, set[str]]:
-        """Model -> versions ready here, as last probed. Never change it in place: assign a new dict
-        or use forget_model / forget_version, or routing will not see the change."""
+    def ready_models(self) -> Mapping[str, set[str]]:
+        """Model -> versions ready here, as last probed. Read-only: assign a new mapping or use
+        forget_model / forget_version, or routing's index will not see the change."""
         return self._ready_models
 
     @ready_models.setter
-    def ready_models(self, models: dict[str, set[str]]) -> None:
-        changed = models != self._ready_models  # a probe that finds nothing new rebuilds nothing
-        self._ready_models = models
-        if changed:
+    def ready_models(self, models: Mapping[str, set[str]]) -> None:
+        # A copy: a caller changing its own mapping afterwards does not change this server unseen.
+        copy = {model: set(versions) for model, versions in models.items()}
+        if copy != self._ready_models:  # a probe that finds nothing new rebuilds nothing
             FLEET_CHANGES.bump()
+        self._ready_models = copy
 
     @property
-    def known_models(self) -> set[str]:
+    def known_models(self) -> frozenset[str]:
         """Every model ever probed loaded here (a model unloading for a moment is not unknown)."""
         return self._known_models
 
     @known_models.setter
-    def known_models(self, models: set[str]) -> None:
-        changed = models != self._known_models
-        self._known_models = models
-        if changed:
+    def known_models(self, models: Collection[str]) -> None:
+        known = frozenset(models)
+        if known != self._known_models:
             FLEET_CHANGES.bump()
+        self._known_models = known
 
     def forget_model(self, model: str) -> None:
         """The model is gone from here (Triton said so) until a probe lists it again."""
@@ -159,10 +160,11 @@ class UpstreamServer:
         versions = self._ready_models.get(model)
         if versions is None:
             return
-        versions.discard(version)
+        if version in versions:
+            versions.discard(version)
+            FLEET_CHANGES.bump()
         if not versions:
             self._ready_models.pop(model, None)
-        FLEET_CHANGES.bump()
 
     def ejected(self, now: float) -> bool:
         return now < self.ejected_until

@@ -137,3 +137,32 @@ def test_probes_of_a_real_triton_that_find_nothing_new_rebuild_nothing(one_trito
             await gw.stop()
 
     asyncio.run(run())
+
+
+def test_an_odd_version_from_one_server_leaves_routing_of_every_model_working() -> None:
+    """Triton's statistics are read as sent: a version string that looks like digits to `isdigit`
+    but is no number ("²", or more digits than int() reads) is not a number for the highest
+    version, and routing of the other models and of that one goes on."""
+    gw = Gateway(_config(), clock=lambda: 0.0)
+    a0, a1 = gw.router.regions["a"].servers[:2]
+    for server in (a0, a1):
+        server.healthy = True
+    a0.ready_models = {"m0": {"1"}}
+    a1.ready_models = {"m1": {"²", "9" * 5000, "3"}}
+    assert gw.router.route("m0", "").server is a0
+    assert gw.router.route("m1", "").server is a1
+    assert gw.router.latest_version("m1") == "3" and gw.router.listed("m1", "²")
+
+
+def test_a_server_keeps_a_copy_of_the_models_it_is_given() -> None:
+    """Whoever assigned a server's models and changes its own mapping afterwards changes nothing
+    routing would not see: the server holds a copy."""
+    gw = Gateway(_config(), clock=lambda: 0.0)
+    server = gw.router.regions["a"].servers[0]
+    server.healthy = True
+    mine = {"m0": {"1"}}
+    server.ready_models = mine
+    mine["m0"].add("2")
+    mine["m1"] = {"1"}
+    assert not server.has_model("m0", "2") and not server.has_model("m1", "")
+    assert not gw.router.listed("m0", "2") and gw.router.latest_version("m0") == "1"
