@@ -27,7 +27,7 @@ LOCK_ARGS ?=
 # runs the suite on the Python sources even where the extension modules exist.
 GATEWAY_BUILD ?= compiled
 
-.PHONY: setup gateway-build demo test test-latest lock lock-upgrade lint bench-training bench-gateway bench-gateway-goals bench-placement bench-cascade chaos clean
+.PHONY: setup gateway-build demo test test-latest lock lock-upgrade lint bench-training bench-gateway bench-gateway-goals bench-fleet-routing bench-placement bench-cascade chaos clean
 
 setup: $(STAMP) $(APT_STAMP) $(if $(filter compiled,$(GATEWAY_BUILD)),gateway-build)
 
@@ -137,6 +137,10 @@ ROUNDS ?= 5
 AGAINST ?=
 bench-gateway-goals: setup
 	$(BIN)/python benchmarks/gateway_goals.py --rounds $(ROUNDS) $(if $(AGAINST),--against $(AGAINST))
+
+# Routing's per-request cost as the fleet grows (benchmarks/fleet_routing_bench.py); AGAINST=DIR: another checkout too.
+bench-fleet-routing: setup
+	$(BIN)/python benchmarks/fleet_routing_bench.py $(if $(AGAINST),--against $(AGAINST))
 
 bench-placement: setup
 	$(BIN)/python benchmarks/placement_bench.py
