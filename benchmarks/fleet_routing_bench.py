@@ -11,7 +11,8 @@ example the commit before the index, compiled) in the same rounds, alternating w
 
 Two fleet shapes, three regions each: every server holds every model (the worst case for the index:
 a route still filters all of its region's servers), and placed models (each model on 3 servers of a
-region, as the controller's placement spreads a large catalogue). The servers are real
+region, as the controller's placement spreads a large catalogue). Regions are ordered by their
+servers' measured probe round-trip times (the default: no `rtt_ms`). The servers are real
 `UpstreamServer` objects in a real `RegionRouter`; no request is sent, only routing state is read.
 
 Usage: python benchmarks/fleet_routing_bench.py [--sizes 1,10,50,200] [--rounds R] [--against DIR]
@@ -45,7 +46,6 @@ def fleet(per_region: int, placed: bool) -> Any:
         regions=[
             {
                 "name": f"r{r}",
-                "rtt_ms": 10.0 * r,
                 "servers": [
                     {"name": f"r{r}s{i}", "http": f"127.0.0.1:{1000 + i}", "grpc": f"127.0.0.1:{2000 + i}"}
                     for i in range(per_region)
@@ -59,9 +59,14 @@ def fleet(per_region: int, placed: bool) -> Any:
         for i, server in enumerate(region.servers):
             held = [m for m in range(MODELS) if not placed or (m - i) % per_region < PLACED_ON]
             server.healthy = True
+            server.probe_rtt.observe(0.001 * (1 + r_index(region.name)) + 0.0001 * (i % 7), 0.0)
             server.ready_models = {f"m{m}": {"1", "2"} for m in held}
             server.known_models = set(server.ready_models)
     return gw
+
+
+def r_index(region: str) -> int:
+    return int(region[1:])
 
 
 def request_us(gw: Any, model: str, number: int) -> float:

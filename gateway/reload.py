@@ -34,7 +34,7 @@ from gateway.config import ConfigError, GatewayConfig, RegionConfig, load_gatewa
 from gateway.core import Gateway
 from gateway.fleet.cascade_rule import DeferralRule
 from gateway.task_stop import cancel_all_and_wait
-from gateway.upstream.server import UpstreamServer
+from gateway.upstream.server import FLEET_CHANGES, UpstreamServer
 
 logger = logging.getLogger(__name__)
 LIVE_FIELDS = frozenset({"regions", "home_region", "auth.keys"})
@@ -115,6 +115,7 @@ async def apply_fleet(gw: Gateway, new: GatewayConfig) -> list[str]:
     changes = [f"+region {name}" for name in added]
     for name, region_cfg in new_regions.items():
         gw.router.regions[name].fixed_rtt_s = None if region_cfg.rtt_ms is None else region_cfg.rtt_ms / 1000
+    FLEET_CHANGES.bump()  # a fixed RTT changed the nearest-region order, maybe
     for server in joining:
         gw.attach_server(server)  # its region exists: added above, or kept
         changes.append(f"+server {server.name}")

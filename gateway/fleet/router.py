@@ -28,7 +28,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import BadRequest, NoReadyServer
 from gateway.fleet.balancer import Balancer
 from gateway.fleet.model_index import ModelIndex
-from gateway.upstream.server import FLEET_CHANGES, UpstreamServer
+from gateway.upstream.server import FLEET_CHANGES, PROBE_RTT_SAMPLES, UpstreamServer
 
 
 @dataclass
@@ -74,6 +74,10 @@ class RegionRouter:
         self.balancers = balancers
         self.clock = clock
         self._index = ModelIndex()
+        # The region order as of these counts (FLEET_CHANGES, PROBE_RTT_SAMPLES): -1, never computed.
+        self._order: list[Region] = []
+        self._order_fleet = -1
+        self._order_rtt = -1
 
     def servers(self) -> list[UpstreamServer]:
         return [s for r in self.regions.values() for s in r.servers]
@@ -104,13 +108,19 @@ class RegionRouter:
         if name not in self.regions:
             raise ValueError(f"home region {name!r} is not one of the regions {sorted(self.regions)}")
         self.home = name
+        FLEET_CHANGES.bump()
 
     def region_order(self) -> list[Region]:
-        home = self.regions[self.home]
-        if len(self.regions) == 1:
-            return [home]
-        others = sorted((r for r in self.regions.values() if r.name != self.home), key=lambda r: r.rtt_s())
-        return [home, *others]
+        """Home, then the others nearest first. Kept between requests (a region's measured RTT is a
+        walk of its servers) until a probe's sample or a fleet change; callers must not change it."""
+        if self._order_fleet != FLEET_CHANGES.count or self._order_rtt != PROBE_RTT_SAMPLES.count:
+            self._order_fleet, self._order_rtt = FLEET_CHANGES.count, PROBE_RTT_SAMPLES.count
+            home = self.regions[self.home]
+            others = sorted(
+                (r for r in self.regions.values() if r.name != self.home), key=lambda r: r.rtt_s()
+            )
+            self._order = [home, *others]
+        return self._order
 
     def check_pin(self, pinned: str) -> Region:
         """The region a client pinned; BadRequest when it does not exist (checked before any cache)."""

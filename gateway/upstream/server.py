@@ -22,11 +22,11 @@ from gateway.upstream.tls import UpstreamTls
 Clock = Callable[[], float]
 
 
-class FleetChanges:
-    """A count of changes to what any server holds or to which servers there are. Routing's model
-    index (gateway/fleet/model_index.py) is rebuilt when the count has moved since its last build,
-    so a request reads the index instead of walking every server. One count per process: a change
-    in one gateway rebuilds the index of another in the same process too, which costs only that."""
+class ChangeCount:
+    """A count of changes that what routing keeps between requests depends on: it is rebuilt when
+    the count has moved since, so a request reads it instead of walking every server. One count per
+    process: a change in one gateway rebuilds another's in the same process too, which costs only
+    that."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -35,7 +35,11 @@ class FleetChanges:
         self.count += 1
 
 
-FLEET_CHANGES = FleetChanges()
+# What a server holds, which servers and regions there are, a region's fixed RTT, the home region:
+# routing's model index (gateway/fleet/model_index.py) and its region order.
+FLEET_CHANGES = ChangeCount()
+# Probes' round-trip samples: the nearest-region order (a region's RTT is its servers' minimum).
+PROBE_RTT_SAMPLES = ChangeCount()
 
 
 @dataclass
@@ -80,6 +84,16 @@ class LatencyStats:
         return self.mean + 1.645 * math.sqrt(max(self.var, 0.0))
 
 
+class ProbeRtt(LatencyStats):
+    """A server's probe round-trip times: each sample may reorder the nearest regions."""
+
+    __slots__ = ()
+
+    def observe(self, seconds: float, now: float) -> None:
+        super().observe(seconds, now)
+        PROBE_RTT_SAMPLES.bump()
+
+
 class UpstreamServer:
     def __init__(
         self,
@@ -105,7 +119,7 @@ class UpstreamServer:
         self.streams = StreamChannel(cfg.grpc, tls)  # ModelStreamInfer: always direct, never relayed
         self.clock = clock
         self.latency = LatencyStats(decay_s)
-        self.probe_rtt = LatencyStats(decay_s * 5)
+        self.probe_rtt = ProbeRtt(decay_s * 5)
         self.inflight = 0
         # Streams held open on this server: shown, never counted as load (an idle stream held by a
         # client would otherwise mark the server saturated for everyone's requests).

@@ -1,6 +1,7 @@
-"""Routing's model index (gateway/fleet/model_index.py) answers as a walk of the fleet would, after
-every kind of change to what servers hold and to which servers there are; and a health probe that
-finds what it found before rebuilds nothing."""
+"""Routing's model index (gateway/fleet/model_index.py) and its kept region order answer as a walk
+of the fleet would, after every kind of change to what servers hold, to which servers and regions
+there are, to probes' round-trip times and to the home region; and a health probe that finds what it
+found before rebuilds nothing."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def _config() -> GatewayConfig:
                 ],
             },
             {"name": "b", "servers": [{"name": "b0", "http": "127.0.0.1:1", "grpc": "127.0.0.1:2"}]},
+            {"name": "c", "servers": [{"name": "c0", "http": "127.0.0.1:1", "grpc": "127.0.0.1:2"}]},
         ],
     )
 
@@ -39,6 +41,9 @@ def _assert_index_equals_the_walk(gw: Gateway, step: str) -> None:
     router = gw.router
     index = router.index()
     servers = router.servers()
+    others = sorted((r for r in router.regions.values() if r.name != router.home), key=lambda r: r.rtt_s())
+    nearest = [router.home, *(r.name for r in others)]
+    assert [r.name for r in router.region_order()] == nearest, step
     for model in MODELS:
         assert router.latest_version(model) == _walk_latest(gw, model), step
         assert router.knows_model(model) == any(model in s.known_models for s in servers), step
@@ -60,9 +65,10 @@ def _random_models(rng: random.Random) -> dict[str, set[str]]:
 
 
 def test_the_index_answers_as_the_walk_after_every_kind_of_change() -> None:
-    """400 random changes of every kind the gateway makes (a probe's models, a version or model
-    Triton said is gone, servers joining and leaving, regions added and removed): after each, every
-    routing answer read from the index equals the same answer walking the fleet."""
+    """400 random changes of every kind the gateway makes (a probe's models and round-trip time, a
+    version or model Triton said is gone, servers joining and leaving, regions added and removed, the
+    home region moved): after each, every routing answer read from the index, and the region order,
+    equal the same answers walking the fleet."""
     rng = random.Random(39)
 
     async def run() -> None:
@@ -74,7 +80,9 @@ def test_the_index_answers_as_the_walk_after_every_kind_of_change() -> None:
         for step in range(400):
             servers = gw.router.servers()
             server = rng.choice(servers) if servers else None
-            kind = rng.choice(("probe", "known", "forget_model", "forget_version", "join", "leave", "region"))
+            kind = rng.choice(
+                ("probe", "known", "forget_model", "forget_version", "join", "leave", "region", "rtt", "home")
+            )
             if kind == "probe" and server is not None:
                 server.ready_models = _random_models(rng)
                 server.known_models = server.known_models | set(server.ready_models)
@@ -95,11 +103,15 @@ def test_the_index_answers_as_the_walk_after_every_kind_of_change() -> None:
                 assert gw.attach_server(new)
             elif kind == "leave" and server is not None and len(servers) > 1:
                 gw.remove_server(server)
+            elif kind == "rtt" and server is not None:
+                server.probe_rtt.observe(rng.uniform(0.001, 0.1), rng.uniform(0.0, 5.0))
+            elif kind == "home":
+                gw.router.set_home(rng.choice(("a", "b")))
             elif kind == "region":
-                if "c" in gw.router.regions:
-                    gw.remove_region("c")
+                if "d" in gw.router.regions:
+                    gw.remove_region("d")
                 else:
-                    gw.add_region("c", 5.0)
+                    gw.add_region("d", 5.0)
             _assert_index_equals_the_walk(gw, f"step {step} ({kind})")
         await gw.stop()  # removed servers' drain tasks end and close them
 
