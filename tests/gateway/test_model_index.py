@@ -178,3 +178,31 @@ def test_a_server_keeps_a_copy_of_the_models_it_is_given() -> None:
     mine["m1"] = {"1"}
     assert not server.has_model("m0", "2") and not server.has_model("m1", "")
     assert not gw.router.listed("m0", "2") and gw.router.latest_version("m0") == "1"
+
+
+def test_a_reloaded_fixed_rtt_reorders_the_regions_at_once() -> None:
+    """A reload that changes a region's `rtt_ms` moves it in the nearest-region order for the very
+    next request, not after the next probe."""
+    from gateway.reload import apply_fleet
+
+    def config(b_rtt_ms: float) -> GatewayConfig:
+        server = {"http": "127.0.0.1:1", "grpc": "127.0.0.1:2"}
+        return GatewayConfig(
+            home_region="a",
+            regions=[
+                {"name": "a", "servers": [{"name": "a0", **server}]},
+                {"name": "b", "rtt_ms": b_rtt_ms, "servers": [{"name": "b0", **server}]},
+                {"name": "c", "rtt_ms": 10.0, "servers": [{"name": "c0", **server}]},
+            ],
+        )
+
+    async def run() -> None:
+        gw = Gateway(config(50.0), clock=lambda: 0.0)
+        try:
+            assert [r.name for r in gw.router.region_order()] == ["a", "c", "b"]
+            await apply_fleet(gw, config(5.0))
+            assert [r.name for r in gw.router.region_order()] == ["a", "b", "c"]
+        finally:
+            await gw.stop()
+
+    asyncio.run(run())
