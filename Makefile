@@ -132,11 +132,13 @@ bench-gateway: setup
 	$(BIN)/python benchmarks/gateway_bench.py
 
 # Issue 39's goals in ROUNDS alternating rounds (benchmarks/gateway_goals.py): each ratio's median and range;
-# AGAINST=NAME=DIR (one) adds another checkout's gateway to every round. About a minute per round on 2 cores.
+# AGAINST=NAME=DIR (one) adds another checkout's gateway to every round; FLEET=N has the gateways route over N
+# servers (the one Triton listed N times). About a minute per round on 2 cores.
 ROUNDS ?= 5
 AGAINST ?=
+FLEET ?=
 bench-gateway-goals: setup
-	$(BIN)/python benchmarks/gateway_goals.py --rounds $(ROUNDS) $(if $(AGAINST),--against $(AGAINST))
+	$(BIN)/python benchmarks/gateway_goals.py --rounds $(ROUNDS) $(if $(AGAINST),--against $(AGAINST)) $(if $(FLEET),--fleet $(FLEET))
 
 # Routing's per-request cost as the fleet grows (benchmarks/fleet_routing_bench.py); AGAINST=DIR: another checkout too.
 bench-fleet-routing: setup

@@ -10,7 +10,10 @@ Paths: the gateway in both builds (compiled, pure), HAProxy 2.8 pass-through (HT
 bare Python pass-through (uvloop + httptools), direct Triton (for the added medians). `--against
 NAME=DIR` adds the gateway of another checkout (its sources and compiled extensions, which its own
 `make setup` built, run by this checkout's Python and libraries) to every round: how a change is
-measured against the code before it.
+measured against the code before it. `--fleet N` has every gateway list the one Triton N times, in
+three regions (home first), so routing sees a fleet of N servers holding every model (health probes
+every 5 s instead of 0.5 s, so N servers' probes stay a small share of the CPU); the references keep
+their one upstream.
 
 Ratios (issue 39): HTTP CPU per request / bare Python (<= 2); HTTP throughput at c8 / HAProxy
 (>= 0.85); HTTP added median at c1 / HAProxy (<= 2); gRPC CPU per call / HAProxy h2 (<= 2.5); gRPC
@@ -18,7 +21,7 @@ throughput at c8 / HAProxy h2 (>= 0.8); gRPC added median at c1 / HAProxy h2 (<=
 CPU at c8 / bare Python per request (<= 1). CPU: the proxy's whole process tree over the requests it
 served. Printed, never asserted.
 
-Usage: python benchmarks/gateway_goals.py [--rounds 5] [--seconds 2] [--against NAME=DIR ...]
+Usage: python benchmarks/gateway_goals.py [--rounds 5] [--seconds 2] [--against NAME=DIR ...] [--fleet N]
 """
 
 from __future__ import annotations
@@ -200,11 +203,21 @@ def report(rounds: list[dict[str, Figures]], gateways: list[str]) -> None:
         print(f"| {path} | " + " | ".join(cells) + " |")
 
 
+def fleet_of(bench: Bench, size: int) -> dict[str, list[tuple[str, str]]]:
+    """The one Triton listed `size` times over three regions (the home region first), or once."""
+    if size <= 1:
+        return bench.local()
+    one = (bench.a.http_address, bench.a.grpc_address)
+    return {name: [one] * (size // 3 + (i < size % 3)) for i, name in enumerate(("local", "r1", "r2"))}
+
+
 @contextlib.contextmanager
-def gateways(bench: Bench, against: dict[str, Path]) -> Iterator[list[Gateway]]:
+def gateways(bench: Bench, against: dict[str, Path], fleet: int = 1) -> Iterator[list[Gateway]]:
     """This checkout's gateway in both builds, then each other checkout's, each started from its own
     tree: `python -m gateway` imports the gateway of its working directory."""
     started: list[Gateway] = []
+    servers = fleet_of(bench, fleet)
+    overrides: dict[str, object] = {"health": {"interval_s": 5.0}} if fleet > 1 else {}
     try:
         for name, tree, build in [
             ("compiled", ROOT, "compiled"),
@@ -212,20 +225,20 @@ def gateways(bench: Bench, against: dict[str, Path]) -> Iterator[list[Gateway]]:
             *((name, tree, "compiled") for name, tree in against.items()),
         ]:
             with contextlib.chdir(tree):
-                started.append(Gateway(bench.local(), bench.work, name, build=build))
+                started.append(Gateway(servers, bench.work, name, build=build, **overrides))
         yield started
     finally:
         for gw in started:
             gw.stop()
 
 
-def run(bench: Bench, rounds: int, against: dict[str, Path]) -> None:
+def run(bench: Bench, rounds: int, against: dict[str, Path], fleet: int = 1) -> None:
     a = bench.a
     ports = (free_port(), free_port())
     with (
         haproxy_reference(haproxy_binary(), a.http_address, a.grpc_address, bench.work, ports) as ha,
         bare_python_proxy(a.http_address) as (bare_address, bare_pid),
-        gateways(bench, against) as gws,
+        gateways(bench, against, fleet) as gws,
     ):
         names = ["compiled", "pure", *against]
         paths = [
@@ -272,12 +285,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds (order reversed every round)")
     parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per path and figure")
     parser.add_argument("--against", type=parse_against, action="append", default=[], metavar="NAME=DIR")
+    parser.add_argument(
+        "--fleet", type=int, default=1, help="servers the gateways route over (one Triton, listed N times)"
+    )
     args = parser.parse_args()
-    if args.rounds < 1 or args.seconds <= 0:
-        parser.error("--rounds must be at least 1 and --seconds above 0")
+    if args.rounds < 1 or args.seconds <= 0 or args.fleet < 1:
+        parser.error("--rounds and --fleet must be at least 1 and --seconds above 0")
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"{time.strftime('%Y-%m-%d')}; {args.rounds} rounds of {args.seconds:g} s per figure"
+        f"{time.strftime('%Y-%m-%d')}; {args.rounds} rounds of {args.seconds:g} s per figure; "
+        f"gateways route over {args.fleet} server(s)"
     )
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -285,7 +302,7 @@ def main() -> None:
         a = TritonServer(TritonServerSpec(repository=repo, name="a"), work / "logs").start()
         bench = Bench(a, a, work, args.seconds, [])
         try:
-            run(bench, args.rounds, dict(args.against))
+            run(bench, args.rounds, dict(args.against), args.fleet)
         except BaseException:
             print_log_tails(work)
             raise
