@@ -4,7 +4,7 @@ wire into a `Call`, and the pipeline's answer written back.
 The request is read as Triton reads it (gateway/fronts/infer_body.py: inflated, duplicate keys
 refused, the remaining deadline added as the `timeout` parameter); binary tensor bytes and raw
 bodies are forwarded untouched, and Triton's bytes come back as sent. The bytes arrive either from
-the HTTP protocol itself (gateway/fronts/http_protocol.py `InferExchange`: no ASGI on this path) or,
+the HTTP protocol itself (gateway/fronts/infer_exchange.py `InferExchange`: no ASGI on this path) or,
 under another ASGI server, from ASGI messages (`AsgiExchange`).
 """
 

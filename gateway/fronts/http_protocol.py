@@ -2,7 +2,7 @@
 and the infer path served from the protocol itself.
 
 Infer requests (`POST /v2/models/{m}[/versions/{v}]/infer`) skip ASGI: once their headers are in,
-an `InferExchange` takes uvicorn's place for the request (same flow control, keep-alive and
+an `InferExchange` (gateway/fronts/infer_exchange.py) takes uvicorn's place for the request (same flow control, keep-alive and
 pipelining) and hands its bytes straight to the pipeline (gateway/fronts/http_front.py `infer`);
 the answer goes out in one write. A request whose body is complete is run from the callback that
 completed it (gateway/fronts/eager_start.py): one answered without waiting on the network (a cache
@@ -28,24 +28,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import urllib.parse
-from collections.abc import Callable
 from typing import Any
 
 import httptools
 import uvicorn
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
-from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config import GatewayConfig
 from gateway.fronts.connection_timer import ConnectionTimer
 from gateway.fronts.eager_start import start_eagerly
 from gateway.fronts.http_infer import parse_infer_path
+from gateway.fronts.infer_exchange import COALESCE_BYTES, InferExchange
 from gateway.state.limits import client_key
 
 logger = logging.getLogger(__name__)
-
-
-_COALESCE_BYTES = 64 * 1024  # larger writes go straight out (joining would copy them)
 
 
 class _OneWrite:
@@ -61,13 +58,13 @@ class _OneWrite:
 
     def write(self, data: bytes) -> None:
         if self.pending is None:
-            if len(data) >= _COALESCE_BYTES:
+            if len(data) >= COALESCE_BYTES:
                 self.transport.write(data)
                 return
             self.pending = [data]
             self.loop.call_soon(self.flush)
             return
-        if len(data) >= _COALESCE_BYTES:
+        if len(data) >= COALESCE_BYTES:
             self.flush()
             self.transport.write(data)
             return
@@ -84,133 +81,6 @@ class _OneWrite:
 
     def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info, pause_reading, ...
         return getattr(self.transport, name)
-
-
-class InferExchange:
-    """One infer request on the protocol: the state uvicorn's request cycle keeps that the protocol
-    reads (so its flow control, keep-alive, pipelining and disconnect handling apply unchanged),
-    without its ASGI scope and messages."""
-
-    __slots__ = (
-        "transport",
-        "flow",
-        "logger",
-        "default_headers",
-        "message_event",
-        "on_response",
-        "disconnected",
-        "keep_alive",
-        "waiting_for_100_continue",
-        "body",
-        "more_body",
-        "response_started",
-        "response_complete",
-        "target",
-        "headers",
-        "client",
-    )
-
-    def __init__(
-        self,
-        protocol: HeaderTimeoutProtocol,
-        keep_alive: bool,
-        target: tuple[str, str, bytes, bytes],
-        headers: list[tuple[bytes, bytes]],
-    ) -> None:
-        self.transport: Any = protocol.transport
-        self.flow = protocol.flow
-        self.logger = protocol.logger
-        self.default_headers: list[tuple[bytes, bytes]] = protocol.server_state.default_headers
-        self.message_event = asyncio.Event()
-        self.on_response: Callable[[], None] = protocol.on_response_complete
-        self.disconnected = False
-        self.keep_alive = keep_alive
-        self.waiting_for_100_continue = protocol.expect_100_continue
-        self.body = bytearray()
-        self.more_body = True
-        self.response_started = False
-        self.response_complete = False
-        self.target = target  # model, version, raw path, query
-        self.headers = headers
-        self.client = protocol.client[0] if protocol.client else ""
-
-    async def run_asgi(self, app: Any) -> None:
-        """Started by the protocol as it starts an ASGI request (now, or once pipelined ones are done)."""
-        try:
-            await app.infer(self, self.headers, *self.target, self.client)
-        except BaseException as exc:
-            self.logger.error("exception in the infer path", exc_info=exc)
-            if not self.response_started and not self.disconnected:
-                await self.write(
-                    500, [(b"content-type", b"application/json")], b'{"error":"internal gateway error"}'
-                )
-            else:
-                self.transport.close()
-        finally:
-            self.on_response = lambda: None
-
-    def whole_body(self) -> bytes | None:
-        if self.more_body or self.disconnected or self.response_complete or self.waiting_for_100_continue:
-            return None
-        body = bytes(self.body)
-        self.body = bytearray()
-        return body
-
-    async def receive_chunk(self) -> tuple[bytes, bool] | None:
-        if self.waiting_for_100_continue and not self.transport.is_closing():
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            self.waiting_for_100_continue = False
-        if not self.disconnected and not self.response_complete:
-            if self.more_body or not self.body:
-                self.flow.resume_reading()
-                await self.message_event.wait()
-                self.message_event.clear()
-        if self.disconnected or self.response_complete:
-            return None
-        chunk = bytes(self.body)
-        self.body = bytearray()
-        return chunk, self.more_body
-
-    async def write(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        """The whole response in one write (the head joined to bodies under _COALESCE_BYTES)."""
-        if self.flow.write_paused and not self.disconnected:
-            await self.flow.drain()
-        if self.disconnected or self.response_started:
-            return
-        try:
-            head = self._head(status, headers, len(body))
-        except Exception:
-            self.transport.close()  # nothing was sent: the client sees the connection end, not a hang
-            raise
-        self.response_started = True
-        self.waiting_for_100_continue = False
-        if len(body) < _COALESCE_BYTES:
-            self.transport.write(head + body)
-        else:
-            self.transport.write(head)
-            self.transport.write(body)
-        self.response_complete = True
-        self.message_event.set()
-        if not self.keep_alive:
-            self.transport.close()
-        self.on_response()
-
-    def _head(self, status: int, headers: list[tuple[bytes, bytes]], length: int) -> bytes:
-        parts = [STATUS_LINE[status]]
-        for name, value in self.default_headers:
-            parts += (name, b": ", value, b"\r\n")
-        closing = False
-        for name, value in headers:
-            if HEADER_VALUE_RE.search(value):  # Triton's or the gateway's: never a split response
-                raise ValueError(f"invalid value of response header {name!r}")
-            if name == b"connection" and b"close" in value.lower():
-                self.keep_alive = False
-                closing = True
-            parts += (name, b": ", value, b"\r\n")
-        if not self.keep_alive and not closing:
-            parts.append(b"connection: close\r\n")
-        parts.append(b"content-length: %d\r\n\r\n" % length)
-        return b"".join(parts)
 
 
 # What a connection's one timer (gateway/fronts/connection_timer.py) is waiting for.

@@ -209,25 +209,38 @@ def test_a_request_waits_for_at_most_three_cold_starts_of_a_model_that_keeps_mov
     moving away between its load and the request's next try is waited for three times, then the
     request fails with the router's own NoReadyServer, naming the model."""
     import asyncio
-    from types import SimpleNamespace
 
+    from gateway.config import GatewayConfig
     from gateway.core import COLD_START_ROUNDS, Gateway
     from gateway.errors import NoReadyServer
+    from gateway.fleet.cold_start import ColdStart
 
     waited: list[str] = []
 
-    async def never_routed(*_args: object, **_kw: object) -> object:
-        raise NoReadyServer("model 'a' is ready on no server")
+    class PlacedThenMoved(ColdStart):
+        """The controller places `a` each time it is asked; placement moves it before the next try."""
 
-    async def loaded_again(model: str, _deadline: float) -> bool:
-        waited.append(model)
-        return True  # the controller placed it; placement moves it before the next try
+        def __init__(self) -> None:  # nothing to reach: this test drives only the gateway's loop
+            pass
 
-    gw = SimpleNamespace(
-        dispatcher=SimpleNamespace(send=never_routed),
-        cold_start=SimpleNamespace(listed_anywhere=lambda _m: False, wait_ready=loaded_again),
-        router=SimpleNamespace(knows_model=lambda _m: True),
+        def listed_anywhere(self, model: str) -> bool:
+            return False
+
+        async def wait_ready(self, model: str, deadline: float) -> bool:
+            waited.append(model)
+            return True
+
+    # A real gateway whose one server once held `a` and holds it no more: every route is
+    # NoReadyServer, and `a` is a known model (so the request does not go to any server at the end).
+    gw = Gateway(
+        GatewayConfig(
+            home_region="r",
+            regions=[{"name": "r", "servers": [{"name": "s", "http": "127.0.0.1:1", "grpc": "127.0.0.1:2"}]}],
+        )
     )
+    (server,) = gw.router.servers()
+    server.known_models = frozenset({"a"})
+    gw.cold_start = PlacedThenMoved()
     with pytest.raises(NoReadyServer, match="model 'a'"):
-        asyncio.run(Gateway.send(gw, "a", "", None, 1e9, lambda *_: None))  # type: ignore[arg-type]
+        asyncio.run(gw.send("a", "", None, 1e9, lambda *_: None))  # type: ignore[arg-type,return-value]
     assert COLD_START_ROUNDS == 3 and waited == ["a"] * 3

@@ -1,5 +1,5 @@
 """The inference pipeline and the HTTP infer path served from the protocol (gateway/pipeline/run.py,
-gateway/fronts/http_protocol.py `InferExchange`): keep-alive and pipelined requests on one
+gateway/fronts/infer_exchange.py `InferExchange`): keep-alive and pipelined requests on one
 connection answered in order, infer beside the FastAPI routes; per-step costs when asked for."""
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -432,11 +431,12 @@ def test_a_keys_bound_headers_are_checked_at_start(headers: dict[str, str], erro
 def test_the_data_plane_refuses_exactly_the_paths_no_worker_serves() -> None:
     """HAProxy answers UNIMPLEMENTED from the headers for every path but these: the list it gets is
     the one the workers serve (GrpcFront.methods() and the stream)."""
+    from gateway.core import Gateway
     from gateway.fronts.grpc_front import UNARY_METHODS, GrpcFront
 
-    # methods() names bound methods; nothing is started. (A real instance: the compiled class has
-    # no bare __new__.)
-    front = GrpcFront(SimpleNamespace(cfg=_cfg()))  # type: ignore[arg-type]
+    # methods() names bound methods; nothing is started. (Real instances: compiled classes have no
+    # bare __new__, and a compiled GrpcFront takes only a Gateway.)
+    front = GrpcFront(Gateway(_cfg()))
     assert tuple(front.methods()) == UNARY_METHODS
 
 
