@@ -55,13 +55,24 @@ def start_gateway_process(
     host: str = "127.0.0.1",
     timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
+    python: str | None = None,
 ) -> GatewayProcess:
-    """Start the gateway on `config_path`; return once it wrote its bound ports, or raise with its log."""
+    """Start the gateway on `config_path`; return once it wrote its bound ports, or raise with its log.
+
+    `python`: the interpreter (or a wrapper running one, as a profiler does); this one's by default."""
     ready = config_path.with_suffix(".ready")
     ready.unlink(missing_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "--config", str(config_path), "--ready-file", str(ready)],
+            [
+                python or sys.executable,
+                "-m",
+                "gateway",
+                "--config",
+                str(config_path),
+                "--ready-file",
+                str(ready),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},

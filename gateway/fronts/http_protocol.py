@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import urllib.parse
 from typing import Any
 
-import httptools
 import uvicorn
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -38,8 +36,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.config import GatewayConfig
 from gateway.fronts.connection_timer import ConnectionTimer
 from gateway.fronts.eager_start import start_eagerly
-from gateway.fronts.http_infer import parse_infer_path
-from gateway.fronts.infer_exchange import COALESCE_BYTES, InferExchange
+from gateway.fronts.infer_exchange import COALESCE_BYTES, InferExchange, infer_target
 from gateway.state.limits import client_key
 
 logger = logging.getLogger(__name__)
@@ -308,13 +305,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             len(self.connections) >= self.limit_concurrency or len(self.tasks) >= self.limit_concurrency
         ):
             return False  # uvicorn's 503
-        try:
-            parsed = httptools.parse_url(self.url)
-            raw_path = parsed.path
-            path = raw_path.decode("ascii")
-        except (httptools.HttpParserInvalidURLError, UnicodeDecodeError):
-            return False
-        target = parse_infer_path(urllib.parse.unquote(path) if "%" in path else path)
+        target = infer_target(self.url)
         if target is None:
             return False
         existing = self.cycle
@@ -324,12 +315,8 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             writer = existing.transport
             if isinstance(writer, _OneWrite):
                 writer.flush()
-        cycle = InferExchange(
-            self,
-            keep_alive=self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive(),
-            target=(*target, raw_path, parsed.query or b""),
-            headers=self.headers,
-        )
+        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+        cycle = InferExchange(self, keep_alive, target, self.headers)  # positional: a compiled class
         self.cycle = cycle  # type: ignore[assignment]
         if existing is None or existing.response_complete:
             if self._ran_eagerly:  # one eager start per read: this one gets a task (one turn later)

@@ -9,16 +9,70 @@ this object and writes its answer with `write`, whose head is built here.
 from __future__ import annotations
 
 import asyncio
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE
+
+from gateway.fronts.http_infer import parse_infer_path
 
 COALESCE_BYTES = 64 * 1024  # larger writes go straight out (joining would copy them)
 
 
 def _ignore() -> None:
     pass
+
+
+def infer_target(url: bytes) -> tuple[str, str, bytes, bytes] | None:
+    """(model, version, raw path, query) when `url` is an infer request's, else None."""
+    try:
+        parsed = httptools.parse_url(url)
+    except httptools.HttpParserInvalidURLError:
+        return None
+    # Read untyped: httptools' stubs say bytes, and compiled code would refuse the None a URL
+    # without a query (or a path) has.
+    raw_path: Any = getattr(parsed, "path", None)
+    query: Any = getattr(parsed, "query", None)
+    if not isinstance(raw_path, bytes) or not raw_path.isascii():
+        return None
+    path = raw_path.decode("ascii")
+    target = parse_infer_path(urllib.parse.unquote(path) if "%" in path else path)
+    if target is None:
+        return None
+    return target[0], target[1], raw_path, query if isinstance(query, bytes) else b""
+
+
+class BodySignal:
+    """asyncio.Event's set, clear and wait for the one reader of a request's body, made into an Event
+    only when that reader has to wait: most bodies arrive with their headers, and nobody waits."""
+
+    __slots__ = ("flag", "event")
+
+    def __init__(self) -> None:
+        self.flag = False
+        self.event: asyncio.Event | None = None
+
+    def set(self) -> None:
+        self.flag = True
+        if self.event is not None:
+            self.event.set()
+
+    def clear(self) -> None:
+        self.flag = False
+        if self.event is not None:
+            self.event.clear()
+
+    def is_set(self) -> bool:
+        return self.flag
+
+    async def wait(self) -> None:
+        if self.flag:
+            return
+        if self.event is None:
+            self.event = asyncio.Event()
+        await self.event.wait()
 
 
 class InferExchange:
@@ -56,7 +110,7 @@ class InferExchange:
         self.flow = protocol.flow
         self.logger = protocol.logger
         self.default_headers: list[tuple[bytes, bytes]] = protocol.server_state.default_headers
-        self.message_event = asyncio.Event()
+        self.message_event = BodySignal()
         self.on_response: Callable[[], None] = protocol.on_response_complete
         self.disconnected = False
         self.keep_alive = keep_alive

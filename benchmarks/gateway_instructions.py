@@ -1,0 +1,196 @@
+"""The gateway's CPU instructions per request, counted by callgrind: a figure the shared machine's
+load does not move.
+
+CPU time per request moves by a quarter between rounds on these 2 shared cores (docs/benchmarks.md),
+so a change of a few percent cannot be read from it. valgrind's callgrind counts the instructions a
+process executes, the same for the same code and inputs whatever else the machine runs. Here each
+gateway runs under callgrind (one process, the compiled build unless `--build pure`), a sequential
+keep-alive client sends `--requests` HTTP JSON infer requests after a warm-up, and the count between
+the two is divided by the number of requests: a cache hit (model `bench_gwcache`) and an uncached
+request forwarded to a real Triton (model `bench`; Triton's own instructions are not counted).
+`--against NAME=DIR` measures another checkout's gateway (its sources and compiled extensions, run by
+this checkout's Python) the same way, and each row prints this build / that one.
+
+Instructions are not seconds (a syscall's kernel time, cache misses and SHA extensions the CPU has
+but valgrind's CPU lacks are not in them), so this reads where Python-level work went, not
+throughput: the goals stay with `make bench-gateway-goals`. valgrind slows the gateway about 50x,
+so a run of 2,000 requests per row takes about two minutes a row.
+
+Usage: python benchmarks/gateway_instructions.py [--requests 2000] [--against NAME=DIR ...]
+Needs valgrind (Debian: apt-get install valgrind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gateway_bench import ROW, prepare_repository  # noqa: E402
+from benchmarks.gateway_goals import parse_against  # noqa: E402
+from loadtests.wire import json_request  # noqa: E402
+from skewserve.gateway_process import start_gateway_process  # noqa: E402
+from skewserve.triton_process import TritonServer, TritonServerSpec  # noqa: E402
+
+MODELS = {"cache hit": "bench_gwcache", "uncached": "bench"}
+WARM_UP = 200
+
+
+@dataclass
+class Counted:
+    checkout: str
+    path: str
+    per_request: float
+
+
+def _total(out: Path) -> int:
+    """The `summary:` line of a callgrind dump: instructions executed since the last zeroing."""
+    for line in out.read_text(errors="replace").splitlines():
+        if line.startswith("summary:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{out} has no summary line: not a callgrind dump")
+
+
+def _send(conn: http.client.HTTPConnection, model: str, body: bytes, headers: dict[str, str], n: int) -> None:
+    for _ in range(n):
+        conn.request("POST", f"/v2/models/{model}/infer", body=body, headers=headers)
+        resp = conn.getresponse()
+        answer = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{model}: HTTP {resp.status} {answer[:200]!r}")
+
+
+def _wait_routable(
+    conn: http.client.HTTPConnection, model: str, body: bytes, headers: dict[str, str]
+) -> None:
+    """Until the gateway's first probe has found the model (valgrind slows its start)."""
+    deadline = time.monotonic() + 300
+    while True:
+        conn.request("POST", f"/v2/models/{model}/infer", body=body, headers=headers)
+        resp = conn.getresponse()
+        resp.read()
+        if resp.status == 200:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{model}: still HTTP {resp.status} after 300 s under valgrind")
+        time.sleep(0.5)
+
+
+def count(
+    checkout: Path, triton: TritonServer, work: Path, name: str, model: str, requests: int, build: str
+) -> float:
+    """Instructions per request of one gateway of `checkout` under callgrind."""
+    wrapper = work / f"{name}.sh"
+    dump = work / f"{name}.callgrind"
+    wrapper.write_text(
+        f"#!/bin/sh\ncd {checkout}\nexec valgrind --tool=callgrind --callgrind-out-file={dump}.%p "
+        f'{sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    cfg = {
+        "home_region": "local",
+        "listen": {"http_port": 0, "grpc_port": 0, "ops_port": 0},
+        "log_json": True,
+        "cache": {"backend": "memory", "models": [MODELS["cache hit"]]},
+        # Probes are not requests: one at start, then none while counting.
+        "health": {"interval_s": 3600.0, "timeout_s": 60.0},
+        "regions": [
+            {
+                "name": "local",
+                "servers": [{"name": "a", "http": triton.http_address, "grpc": triton.grpc_address}],
+            }
+        ],
+    }
+    config = work / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    env = {"SKEWSERVE_GATEWAY_BUILD": build, "PYTHONPATH": str(checkout)}
+    gateway = start_gateway_process(config, work / f"{name}.log", timeout_s=600, env=env, python=str(wrapper))
+    body, headers = json_request(ROW)
+    conn = http.client.HTTPConnection(gateway.host, gateway.http_port, timeout=300)
+    try:
+        _wait_routable(conn, model, body, headers)
+        _send(conn, model, body, headers, WARM_UP)
+        pid = str(gateway.proc.pid)
+        subprocess.run(["callgrind_control", "--zero", pid], check=True, capture_output=True)
+        _send(conn, model, body, headers, requests)
+        subprocess.run(["callgrind_control", "--dump=measured", pid], check=True, capture_output=True)
+    finally:
+        conn.close()
+        gateway.proc.terminate()
+        gateway.proc.wait(120)
+    log = (work / f"{name}.log").read_text(errors="replace")
+    if "does not match its sources" in log:
+        raise RuntimeError(f"{checkout}: its compiled build is stale; run `make setup` there")
+    (measured,) = work.glob(f"{name}.callgrind.*.1")  # the dump taken after the counted requests
+    return _total(measured) / requests
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=2000, help="counted requests per row")
+    parser.add_argument("--build", choices=("compiled", "pure"), default="compiled")
+    parser.add_argument(
+        "--against", type=parse_against, action="append", default=[], help="NAME=DIR: another checkout"
+    )
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        sys.exit("valgrind is not installed: apt-get install valgrind (Debian), then run this again")
+    checkouts = {"this": ROOT, **dict(args.against)}
+    print(
+        f"# gateway instructions per request (callgrind), {platform.machine()}, Python {platform.python_version()}"
+    )
+    print(
+        f"# {args.requests} sequential keep-alive requests per row after {WARM_UP} warm-up; build {args.build}"
+    )
+    rows: list[Counted] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        repo = prepare_repository(work)
+        triton = TritonServer(TritonServerSpec(repository=repo, name="a"), work / "logs").start()
+        try:
+            for path, model in MODELS.items():
+                for label, checkout in checkouts.items():
+                    n = count(checkout, triton, work, f"{label}-{model}", model, args.requests, args.build)
+                    rows.append(Counted(label, path, n))
+                    print(f"{path:10s} {label:>10s} {n:12,.0f}", flush=True)
+        finally:
+            triton.stop()
+    print()
+    print(
+        "| request | "
+        + " | ".join(checkouts)
+        + " | "
+        + " | ".join(f"this / {o}" for o in list(checkouts)[1:])
+        + " |"
+    )
+    print("|---|" + "---:|" * (2 * len(checkouts) - 1))
+    for path in MODELS:
+        counts = {r.checkout: r.per_request for r in rows if r.path == path}
+        ratios = [f"{counts['this'] / counts[o]:.3f}x" for o in list(checkouts)[1:]]
+        print(
+            f"| {path} | "
+            + " | ".join(f"{counts[c]:,.0f}" for c in checkouts)
+            + " | "
+            + " | ".join(ratios)
+            + " |"
+        )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")  # dict layouts alike from one run to the next
+    main()
