@@ -58,8 +58,9 @@ $(STAMP): $(LOCK) pyproject.toml | $(BIN)/python
 
 # Debian packages the tests use for real: redis-server (shared cache), promtool (rules checks) and
 # docker-compose (its `config` validates deploy/compose.yaml against the Compose schema; no engine runs),
-# wrk and h2load (nghttp2-client): the C load generators of `make bench-gateway`; gcc compiles the
-# gateway's request path (mypyc's C output).
+# wrk and h2load (nghttp2-client): the C load generators of `make bench-gateway`; valgrind counts the
+# gateway's instructions in `make bench-gateway-instructions`; gcc compiles the gateway's request path
+# (mypyc's C output).
 $(APT_STAMP): Makefile | $(BIN)/python
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
@@ -67,6 +68,7 @@ $(APT_STAMP): Makefile | $(BIN)/python
 	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
 	command -v wrk >/dev/null || missing="$$missing wrk"; \
 	command -v h2load >/dev/null || missing="$$missing nghttp2-client"; \
+	command -v callgrind_control >/dev/null || missing="$$missing valgrind"; \
 	command -v gcc >/dev/null || missing="$$missing gcc"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
@@ -139,6 +141,11 @@ AGAINST ?=
 FLEET ?=
 bench-gateway-goals: setup
 	$(BIN)/python benchmarks/gateway_goals.py --rounds $(ROUNDS) $(if $(AGAINST),--against $(AGAINST)) $(if $(FLEET),--fleet $(FLEET))
+
+# The gateway's instructions per request under callgrind (benchmarks/gateway_instructions.py): a cache hit and
+# an uncached request, unmoved by the machine's load; AGAINST=NAME=DIR: another checkout too. About 3 minutes a row.
+bench-gateway-instructions: setup
+	$(BIN)/python benchmarks/gateway_instructions.py $(if $(AGAINST),--against $(AGAINST))
 
 # Routing's per-request cost as the fleet grows (benchmarks/fleet_routing_bench.py); AGAINST=DIR: another checkout too.
 bench-fleet-routing: setup
