@@ -393,3 +393,20 @@ def test_tritons_version_not_ready_answer_is_read_from_its_first_byte() -> None:
         )
         is None
     )
+
+
+def test_an_infer_urls_target_is_read_with_or_without_a_query() -> None:
+    """The protocol's reading of an infer URL (compiled: httptools reports a missing query or path as
+    None, which its stubs call bytes; compiled code took every query-less request for a parser error)."""
+    from gateway.fronts.infer_exchange import infer_target
+
+    assert infer_target(b"/v2/models/m/infer") == ("m", "", b"/v2/models/m/infer", b"")
+    assert infer_target(b"/v2/models/m/versions/2/infer?a=1") == (
+        "m",
+        "2",
+        b"/v2/models/m/versions/2/infer",
+        b"a=1",
+    )
+    assert infer_target(b"/v2/models/m%20x/infer") == ("m x", "", b"/v2/models/m%20x/infer", b"")
+    for other in (b"/v2/models/m", b"/v2/models/m/ready", b"http://h", b"*", b"/v2/models/\xc3\xa9/infer"):
+        assert infer_target(other) is None, other
