@@ -64,13 +64,19 @@ def _total(out: Path) -> int:
     raise RuntimeError(f"{out} has no summary line: not a callgrind dump")
 
 
+def _post(
+    conn: http.client.HTTPConnection, model: str, body: bytes, headers: dict[str, str]
+) -> tuple[int, bytes]:
+    conn.request("POST", f"/v2/models/{model}/infer", body=body, headers=headers)
+    resp = conn.getresponse()
+    return resp.status, resp.read()
+
+
 def _send(conn: http.client.HTTPConnection, model: str, body: bytes, headers: dict[str, str], n: int) -> None:
     for _ in range(n):
-        conn.request("POST", f"/v2/models/{model}/infer", body=body, headers=headers)
-        resp = conn.getresponse()
-        answer = resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"{model}: HTTP {resp.status} {answer[:200]!r}")
+        status, answer = _post(conn, model, body, headers)
+        if status != 200:
+            raise RuntimeError(f"{model}: HTTP {status} {answer[:200]!r}")
 
 
 def _wait_routable(
@@ -78,14 +84,9 @@ def _wait_routable(
 ) -> None:
     """Until the gateway's first probe has found the model (valgrind slows its start)."""
     deadline = time.monotonic() + 300
-    while True:
-        conn.request("POST", f"/v2/models/{model}/infer", body=body, headers=headers)
-        resp = conn.getresponse()
-        resp.read()
-        if resp.status == 200:
-            return
+    while (status := _post(conn, model, body, headers)[0]) != 200:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{model}: still HTTP {resp.status} after 300 s under valgrind")
+            raise RuntimeError(f"{model}: still HTTP {status} after 300 s under valgrind")
         time.sleep(0.5)
 
 
@@ -171,24 +172,15 @@ def main() -> None:
         finally:
             triton.stop()
     print()
-    print(
-        "| request | "
-        + " | ".join(checkouts)
-        + " | "
-        + " | ".join(f"this / {o}" for o in list(checkouts)[1:])
-        + " |"
-    )
-    print("|---|" + "---:|" * (2 * len(checkouts) - 1))
+    others = list(checkouts)[1:]
+    print("| " + " | ".join(["request", *checkouts, *(f"this / {o}" for o in others)]) + " |")
+    print("|---|" + "---:|" * (len(checkouts) + len(others)))
     for path in MODELS:
         counts = {r.checkout: r.per_request for r in rows if r.path == path}
-        ratios = [f"{counts['this'] / counts[o]:.3f}x" for o in list(checkouts)[1:]]
-        print(
-            f"| {path} | "
-            + " | ".join(f"{counts[c]:,.0f}" for c in checkouts)
-            + " | "
-            + " | ".join(ratios)
-            + " |"
-        )
+        cells = [f"{counts[c]:,.0f}" for c in checkouts] + [
+            f"{counts['this'] / counts[o]:.3f}x" for o in others
+        ]
+        print("| " + " | ".join([path, *cells]) + " |")
 
 
 if __name__ == "__main__":
