@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import platform
 import statistics
@@ -37,7 +38,7 @@ from uvicorn.server import ServerState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.fronts.http_protocol import with_header_timeout  # noqa: E402
+from gateway.fronts.http_protocol import ConnectionBounds, HeaderTimeoutProtocol, with_header_timeout  # noqa: E402
 
 BODY = b'{"inputs":[{"name":"x","shape":[1,4],"datatype":"FP32","data":[1.0,2.0,3.0,4.0]}]}'
 REQUEST = (
@@ -178,14 +179,14 @@ async def per_request_us(make: Callable[[], asyncio.Protocol], requests: int) ->
     return elapsed / requests * 1e6
 
 
-def tasked_protocol() -> type[Any]:
+def tasked_protocol() -> Callable[..., Any]:
     """The gateway's protocol as it was before eager start: a task for every infer request."""
 
-    class Tasked(with_header_timeout(10.0)):  # type: ignore[misc, valid-type]
+    class Tasked(HeaderTimeoutProtocol):
         def _start_eagerly(self, cycle: Any) -> None:
             self._start_asgi_task(cycle, self.app)
 
-    return Tasked
+    return functools.partial(Tasked, bounds=ConnectionBounds(10.0))
 
 
 PROTOCOLS: dict[str, Callable[[], asyncio.Protocol]] = {

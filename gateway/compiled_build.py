@@ -41,23 +41,27 @@ BUILDS = ("compiled", "pure")
 # docs/benchmarks.md): the pipeline's steps, the JSON body reader, the HTTP exchange, cache keying,
 # routing and the balancer, the dispatcher's retry/hedge bookkeeping, admission's limits and keys,
 # metrics recording and its tallies, and the gRPC worker's own path (the bridge, the front and its
-# ModelInfer wire, the conversion to Triton's HTTP port), and the Gateway every step asks (core.py;
-# a test's stand-in for it must be a real Gateway). Interpreted: modules that subclass a library's classes (the
-# uvicorn protocol), the errors (their subclasses override class attributes, which compiled classes
-# do not allow; and a class built on a C extension's class, grpc's Cython AbortError for one, compiles
-# but crashes when used), FastAPI's routes (it reads their signatures), the JSON reader (a large
-# header's walk runs in a worker thread and gives the event loop the GIL at the interpreter's switch
-# interval, which compiled code never does; its small headers are read by orjson, in C already),
-# and what only runs at start-up.
+# ModelInfer wire, the conversion to Triton's HTTP port), the Gateway every step asks (core.py;
+# a test's stand-in for it must be a real Gateway), and the HTTP connection: its protocol (a
+# subclass of uvicorn's interpreted class, which compiles when what it reads of uvicorn is read as
+# uvicorn sets it), eager start and request ids. Interpreted: the errors (their subclasses override
+# class attributes, which compiled classes do not allow; and a class built on a C extension's class,
+# grpc's Cython AbortError for one, compiles but crashes when used), FastAPI's routes (it reads their
+# signatures), the JSON reader (a large header's walk runs in a worker thread and gives the event
+# loop the GIL at the interpreter's switch interval, which compiled code never does; its small
+# headers are read by orjson, in C already), and what only runs at start-up.
 COMPILED: tuple[str, ...] = (
     "gateway/core.py",
     "gateway/forward_headers.py",
     "gateway/fronts/connection_timer.py",
+    "gateway/fronts/eager_start.py",
     "gateway/fronts/grpc_bridge.py",
     "gateway/fronts/grpc_front.py",
     "gateway/fronts/grpc_infer.py",
     "gateway/fronts/http_infer.py",
+    "gateway/fronts/http_protocol.py",
     "gateway/fronts/infer_exchange.py",
+    "gateway/fronts/request_id.py",
     "gateway/fleet/balancer.py",
     "gateway/fleet/dispatch.py",
     "gateway/fleet/model_index.py",

@@ -23,7 +23,7 @@ from typing import Any
 _SENT = object()
 
 
-class _Resumed(collections.abc.Coroutine):  # type: ignore[type-arg]
+class _Resumed:
     """`coro`, already started, as the coroutine a task drives: its first step hands the task the
     future `coro` waits on; every later step, a cancellation thrown in before the first one
     included, goes to `coro` where it waits."""
@@ -55,6 +55,11 @@ class _Resumed(collections.abc.Coroutine):  # type: ignore[type-arg]
 
     def __next__(self) -> Any:
         return self.send(None)
+
+
+# A coroutine to asyncio (its iscoroutine): compiled, the class cannot subclass the ABC (a metaclass
+# conflict), so it is registered with it.
+collections.abc.Coroutine.register(_Resumed)
 
 
 def start_eagerly(

@@ -292,7 +292,7 @@ class GrpcWire:
             limits.max_tensors,
             tenant.encode(),
         )
-        return self.aliases.digest(context, self.message)
+        return self.aliases.name(context, self.message)
 
     @staticmethod
     def shared(stored: bytes) -> bytes:

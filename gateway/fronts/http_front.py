@@ -10,8 +10,10 @@ and logging endpoints are not routed: 404 in Triton's `{"error": ...}` shape.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,14 +27,13 @@ from gateway.errors import (
 from gateway.fronts.http_generate import GenerateFront, parse_generate_path
 from gateway.fronts.http_infer import (
     AsgiExchange,
-    Exchange,
-    HttpWire,
     InferLimits,
     parse_infer_path,
+    serve_infer,
 )
 from gateway.fronts.http_ops import add_error_handlers, add_health_routes, add_ops_routes, require_admin
 from gateway.fronts.request_id import checked_request_id
-from gateway.pipeline import metadata, run, statistics
+from gateway.pipeline import metadata, statistics
 from gateway.pipeline.call import Call
 from gateway.pipeline.statistics import SERVER_HEADER
 from gateway.upstream.http_client import HttpResponse
@@ -53,6 +54,9 @@ class HttpFront:
         cfg = gateway.cfg
         self.limits = InferLimits(cfg)
         self.generate = GenerateFront(gateway, self.limits)
+        # One infer request (the protocol's entry, and ASGI's below): the compiled coroutine itself,
+        # with no interpreted frame around it.
+        self.infer: Callable[..., Awaitable[None]] = functools.partial(serve_infer, gateway, self.limits)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -73,21 +77,6 @@ class HttpFront:
                 await self.generate(scope, receive, send, *generate)
                 return
         await self.api(scope, receive, send)
-
-    async def infer(
-        self,
-        exchange: Exchange,
-        headers: list[tuple[bytes, bytes]],
-        model: str,
-        version: str,
-        raw_path: bytes,
-        query: bytes,
-        client: str,
-    ) -> None:
-        """One infer request through the pipeline (gateway/pipeline/run.py)."""
-        gw = self.gw
-        wire = HttpWire(gw, self.limits, exchange, raw_path, query)
-        await run.infer(gw, wire.call(headers, model, version, client, gw.clock()), wire)
 
 
 def build_api(gw: Gateway) -> FastAPI:

@@ -38,7 +38,7 @@ from gateway.fronts.infer_body import (
     parse_infer_body_async,
 )
 from gateway.fronts.request_id import checked_request_id, is_valid_request_id, new_request_id
-from gateway.pipeline import admission
+from gateway.pipeline import admission, run
 from gateway.pipeline.answer_classes import http_classes, http_output
 from gateway.pipeline.cache_alias import ExactAliases
 from gateway.pipeline.call import Call
@@ -370,7 +370,7 @@ class HttpWire:
                 tenant.encode(),
             )
         )
-        return self.aliases.digest(context, self.body)
+        return self.aliases.name(context, self.body)
 
     @staticmethod
     def shared(stored: bytes) -> HttpResponse:
@@ -589,3 +589,20 @@ class AsgiExchange:
         headers = [*headers, (b"content-length", str(len(body)).encode())]
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
+
+
+async def serve_infer(
+    gw: Any,
+    limits: InferLimits,
+    exchange: Exchange,
+    headers: list[tuple[bytes, bytes]],
+    model: str,
+    version: str,
+    raw_path: bytes,
+    query: bytes,
+    client: str,
+) -> None:
+    """One infer request through the pipeline (gateway/pipeline/run.py): what the protocol calls for
+    each infer request, compiled (gateway/fronts/http_front.py binds `gw` and `limits`)."""
+    wire = HttpWire(gw, limits, exchange, raw_path, query)
+    await run.infer(gw, wire.call(headers, model, version, client, gw.clock()), wire)

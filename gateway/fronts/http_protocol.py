@@ -21,17 +21,29 @@ closes the connection when they are not complete within `limits.header_read_time
 uvicorn writes a response's head and its body with a send() each; on loopback a send costs about
 as much as the rest of a cache hit. `_OneWrite` holds small writes made in the same event-loop
 turn and sends them together at the end of it.
+
+The protocol is compiled (gateway/compiled_build.py): the parser's callbacks run for every request,
+and interpreted they were a sixth of a cache hit's instructions. uvicorn's class stays its base (the
+ASGI path, upgrades and errors are its code), so what compiled code reads of uvicorn's attributes
+is read as uvicorn sets it, not as its annotations say (`timeout_keep_alive` is a float here).
+A listener's bounds are an object given to each connection (`ConnectionBounds`), not class
+attributes: a compiled class's attributes are its instances'.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
+import httptools
 import uvicorn
+from mypy_extensions import mypyc_attr
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
 
 from gateway.config import GatewayConfig
 from gateway.fronts.connection_timer import ConnectionTimer
@@ -84,16 +96,37 @@ class _OneWrite:
 _WAIT_HEADERS, _WAIT_KEEP_ALIVE = 1, 2
 
 
-class HeaderTimeoutProtocol(HttpToolsProtocol):
-    # Set per listener by `with_header_timeout`.
-    header_timeout_s = 10.0
-    max_per_source = 0  # 0: no per-source bound
-    # open connections by client key, one dict per listener class
-    sources: dict[str, set[HeaderTimeoutProtocol]] = {}
+class ConnectionBounds:
+    """One listener's bounds on its connections: `header_timeout_s` for a request's headers, at most
+    `max_per_source` open connections per client address (0: any number), counted in `sources`."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._source: str | None = None  # counted in `sources` while open
+    __slots__ = ("header_timeout_s", "max_per_source", "sources")
+
+    def __init__(self, header_timeout_s: float, max_per_source: int = 0) -> None:
+        self.header_timeout_s = header_timeout_s
+        self.max_per_source = max_per_source
+        # open connections by client key
+        self.sources: dict[str, set[HeaderTimeoutProtocol]] = {}
+
+
+# Interpreted subclasses: benchmarks/http_protocol_bench.py measures a variant.
+@mypyc_attr(allow_interpreted_subclasses=True)
+class HeaderTimeoutProtocol(HttpToolsProtocol):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        bounds: ConnectionBounds,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.bounds = bounds
+        self.header_timeout_s = self.bounds.header_timeout_s
+        # Read untyped: uvicorn annotates an int, the gateway gives a float, compiled code checks.
+        self.keep_alive_s = float(getattr(config, "timeout_keep_alive"))  # noqa: B009
+        self._source: str | None = None  # counted in `bounds.sources` while open
         self.serves_infer = hasattr(self.app, "infer")
         # Both bounds (a request's headers, an idle keep-alive) on one timer: uvicorn starts and
         # cancels a timer per request for each.
@@ -137,7 +170,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if self.max_per_source and not self._admit_source():
+        if self.bounds.max_per_source and not self._admit_source():
             return
         self._arm_header_timer()  # a connection that sends nothing is bounded too
 
@@ -146,10 +179,11 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         listener's connection cap, make room: an idle connection of the address holding the most
         is closed, so a few dozen addresses flooding idle connections cannot lock newcomers out."""
         source = client_key(self.client[0]) if self.client else ""
-        mine = self.sources.setdefault(source, set())
-        if len(mine) >= self.max_per_source:
+        sources = self.bounds.sources
+        mine = sources.setdefault(source, set())
+        if len(mine) >= self.bounds.max_per_source:
             if not mine:
-                self.sources.pop(source, None)
+                sources.pop(source, None)
             body = (
                 b'{"error":"this client address holds too many connections (limits.max_connections_per_source); '
                 b'reuse kept-alive connections or close idle ones"}'
@@ -169,7 +203,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def _make_room(self, held: int) -> None:
         """Close one idle connection of the client address holding the most connections, if it
         holds more than this connection's address (`held`, this one included)."""
-        largest = max(self.sources.values(), key=len, default=set())
+        largest = max(self.bounds.sources.values(), key=len, default=set())
         if len(largest) <= held:
             return  # this address is among the largest holders: it waits like everyone
         for other in largest:
@@ -191,11 +225,12 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._timer.close()
         if self._source is not None:
-            mine = self.sources.get(self._source)
+            sources = self.bounds.sources
+            mine = sources.get(self._source)
             if mine is not None:
                 mine.discard(self)
                 if not mine:
-                    self.sources.pop(self._source, None)  # the map holds open sources only
+                    sources.pop(self._source, None)  # the map holds open sources only
             self._source = None
         super().connection_lost(exc)
 
@@ -208,6 +243,15 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         self.expect_100_continue = False
         self.headers = []
         self._arm_header_timer()  # a keep-alive connection's next request (already armed on connect)
+
+    def on_url(self, url: bytes) -> None:  # uvicorn's, compiled
+        self.url = self.url + url  # not +=: mypyc cannot augment an attribute its interpreted base declares
+
+    def on_header(self, name: bytes, value: bytes) -> None:  # uvicorn's, compiled
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def _asgi_scope(self) -> None:
         url, headers, expect = self.url, self.headers, self.expect_100_continue
@@ -245,7 +289,18 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         self._ran_eagerly = False
-        super().data_received(data)
+        self._unset_keepalive_if_required()
+        try:  # uvicorn's, compiled
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)  # closes the connection: nothing below starts
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
         cycle = self._unstarted
         if cycle is not None:  # the body comes in later reads: the request reads it as it streams
             self._unstarted = None
@@ -290,12 +345,14 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         self._unset_keepalive_if_required()
-        self.flow.resume_reading()
+        flow = self.flow
+        if flow.read_paused:  # read here: uvicorn's method is an interpreted call per request
+            flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
         elif self._timer.wait != _WAIT_HEADERS:  # a next request's headers in progress keep their bound
-            self._timer.arm(_WAIT_KEEP_ALIVE, self.timeout_keep_alive)
+            self._timer.arm(_WAIT_KEEP_ALIVE, self.keep_alive_s)
 
     def _start_infer(self) -> bool:
         """Serve an infer request from the protocol (True), or leave it to ASGI (False)."""
@@ -329,14 +386,11 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         return True
 
 
-def with_header_timeout(timeout_s: float, max_per_source: int = 0) -> type[HeaderTimeoutProtocol]:
-    """The protocol class for one listener: connections whose headers take over `timeout_s` are
-    closed, and one client address holds at most `max_per_source` connections (0: any number)."""
-    return type(
-        "HeaderTimeoutProtocol",
-        (HeaderTimeoutProtocol,),
-        {"header_timeout_s": timeout_s, "max_per_source": max_per_source, "sources": {}},
-    )
+def with_header_timeout(timeout_s: float, max_per_source: int = 0) -> Callable[..., HeaderTimeoutProtocol]:
+    """The protocol factory for one listener (uvicorn's `http`): connections whose headers take over
+    `timeout_s` are closed, and one client address holds at most `max_per_source` connections
+    (0: any number)."""
+    return functools.partial(HeaderTimeoutProtocol, bounds=ConnectionBounds(timeout_s, max_per_source))
 
 
 def per_worker_share(limit: int, workers: int) -> int:
@@ -355,8 +409,9 @@ def uvicorn_config(app: Any, cfg: GatewayConfig, public: bool = False) -> uvicor
         ssl_certfile=tls.cert_file if tls is not None else None,
         ssl_keyfile=tls.key_file if tls is not None else None,
         loop="none",
-        # httptools with a bound on receiving headers (uvicorn has none: slowloris).
-        http=with_header_timeout(
+        # httptools with a bound on receiving headers (uvicorn has none: slowloris); uvicorn calls
+        # what it is given.
+        http=with_header_timeout(  # type: ignore[arg-type]
             cfg.limits.header_read_timeout_s,
             per_worker_share(cfg.limits.max_connections_per_source, cfg.listen.workers),
         ),

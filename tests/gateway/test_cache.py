@@ -316,6 +316,23 @@ def test_byte_identical_repeats_hit_and_near_copies_are_still_read(shared_gatewa
     doubled = body[:-1] + b', "inputs": []}'
     status, _, text = post(doubled)
     assert status == 400 and b"inputs" in text
+    # Past EXACT_BYTES an alias is named by a digest of the bytes: repeats still hit, with the answer.
+    large = json.dumps({"inputs": inputs}, indent=100).encode()  # under 16 KiB: keyed canonical
+    assert len(large) > 2048
+    assert [post(large)[:2] for _ in range(3)] == [(200, "hit")] * 3
+    assert json.loads(post(large)[2]) == json.loads(first[2])
+
+
+def test_an_alias_is_named_by_small_requests_bytes_and_by_a_digest_of_large_ones() -> None:
+    from gateway.pipeline.cache_alias import EXACT_BYTES, ExactAliases
+
+    assert ExactAliases.name(b"lt\0\0tenant", b"{}") == b"=lt\0\0tenant\0{}"
+    large = b" " * EXACT_BYTES
+    named = ExactAliases.name(b"lt", large)
+    assert named[:1] == b"#" and len(named) == 17 and named == ExactAliases.name(b"lt", large)
+    assert ExactAliases.name(b"lt", large + b" ") != named
+    # Whatever differs, context (tenant, version, limits) or body, names another alias.
+    assert len({ExactAliases.name(c, b) for c in (b"lt\0a", b"lt\0b") for b in (b"{}", b"{ }")}) == 4
 
 
 def test_byte_identical_grpc_repeats_hit_with_the_keyed_answer(shared_gateway) -> None:

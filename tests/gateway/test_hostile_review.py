@@ -498,7 +498,7 @@ def test_new_limits_reach_the_code_using_them() -> None:
         assert http.generate.limits is http.limits  # generate reads its body under infer's bounds
         assert (gw.bodies.limit, gw.bodies.per_caller) == (3000, 1500)  # half, at least one request
         uv = uvicorn_config(http, cfg)
-        assert uv.http.header_timeout_s == 2.5  # type: ignore[union-attr]
+        assert uv.http.keywords["bounds"].header_timeout_s == 2.5  # type: ignore[union-attr]
         assert uv.limit_concurrency == 99
         await gw.stop()
 
