@@ -50,11 +50,15 @@ class Region:
         return max(loads) / mean if mean > 0 else 0.0
 
 
-@dataclass
 class Route:
-    server: UpstreamServer
-    region: str
-    spilled: bool
+    """Where a request goes. A plain class: a dataclass's `__init__` runs interpreted even compiled."""
+
+    __slots__ = ("server", "region", "spilled")
+
+    def __init__(self, server: UpstreamServer, region: str, spilled: bool) -> None:
+        self.server = server
+        self.region = region
+        self.spilled = spilled
 
 
 class RegionRouter:

@@ -185,17 +185,27 @@ class InferExchange:
         self.on_response()
 
     def _head(self, status: int, headers: list[tuple[bytes, bytes]], length: int) -> bytes:
+        # One search over every value (a tab joins them: the one control character a value may
+        # hold), the per-header search only to name a bad one: a search costs its set-up each time.
+        if HEADER_VALUE_RE.search(b"\t".join([value for _, value in headers])) is not None:
+            for name, value in headers:
+                if HEADER_VALUE_RE.search(value):  # Triton's or the gateway's: never a split response
+                    raise ValueError(f"invalid value of response header {name!r}")
         parts = [STATUS_LINE[status]]
         for name, value in self.default_headers:
-            parts += (name, b": ", value, b"\r\n")
+            parts.append(name)
+            parts.append(b": ")
+            parts.append(value)
+            parts.append(b"\r\n")
         closing = False
         for name, value in headers:
-            if HEADER_VALUE_RE.search(value):  # Triton's or the gateway's: never a split response
-                raise ValueError(f"invalid value of response header {name!r}")
             if name == b"connection" and b"close" in value.lower():
                 self.keep_alive = False
                 closing = True
-            parts += (name, b": ", value, b"\r\n")
+            parts.append(name)
+            parts.append(b": ")
+            parts.append(value)
+            parts.append(b"\r\n")
         if not self.keep_alive and not closing:
             parts.append(b"connection: close\r\n")
         parts.append(b"content-length: %d\r\n\r\n" % length)

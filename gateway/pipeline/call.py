@@ -7,7 +7,6 @@ A front fills what its wire says (`Call`) and hands the steps its own form of th
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 from gateway.fleet.dispatch import Attempt, SequenceId
@@ -27,45 +26,101 @@ A = TypeVar("A")  # a front's answer: HttpResponse, or a serialized ModelInferRe
 Slot = Literal["request", "stream"]
 
 
-@dataclass(slots=True, eq=False)
 class Call:
     """What the wire said and what the steps decided, for one request or stream: what admission
-    took (key, caller, bytes, slot), where it went, how it ended."""
+    took (key, caller, bytes, slot), where it went, how it ended.
 
-    protocol: str  # "http" | "grpc": the metrics label
-    started: float
-    model: str = ""
-    version: str = ""
-    named: bool = False  # the model is known (from the path, or once the message is read); "" is a name
-    request_id: str = ""  # the id the gateway logs and forwards (x-request-id)
-    client: str = ""  # the peer's address
-    authorization: str | None = None
-    api_key: str | None = None
-    pinned: str | None = None  # the client's region pin (routing.region_header)
-    sticky: str | None = None  # traffic.sticky_header: whose canary bucket
-    timeout_ms: str | None = None  # retries.timeout_header
-    call_remaining: float | None = None  # a gRPC call's own deadline, seconds left
-    passed_on: bool = False  # a header the answer may depend on is forwarded: never cached
-    # set by the steps
-    principal: Principal | None = None
-    authenticated: bool = False
-    admitted: bool = False
-    rate: asyncio.Future[None] | None = None  # a rate check already under way (the gRPC bridge's)
-    caller: str = ""  # whom the request's bytes are counted against
-    held: int = 0  # bytes counted in gw.bodies, given back when the call ends
-    slot: Slot | None = None  # held in gw.inflight or gw.streams until admission.release
-    deadline: float = 0.0
-    plan: Plan | None = None
-    role: Role | None = None
-    route: Route | None = None
-    cache_state: str | None = None  # "hit" | "miss" | "coalesced" when the cache was asked
-    cascade: Cascade | None = None  # the model is a cascade's served name (pipeline/cascade.py)
-    mark: Mark | None = None  # what the cascade's answer says: its stage, the rule's score
-    cascade_stage: Stage | None = None  # the stage whose answer it is
-    cascade_failed: bool = False  # a stage failed or refused on the way: not what the rule alone chose
-    status: str = "500"  # the metrics label: HTTP status or gRPC code name
-    ok: bool = False  # not the server's fault (what a canary is judged on)
-    answered: bool = False  # the answer is on the wire: a later error cannot change it
+    A plain class, not a dataclass: a dataclass's `__init__` is made at import time by exec, so it
+    runs interpreted even in the compiled build (a tenth of a cache hit's instructions went there)."""
+
+    __slots__ = (
+        "protocol",
+        "started",
+        "model",
+        "version",
+        "named",
+        "request_id",
+        "client",
+        "authorization",
+        "api_key",
+        "pinned",
+        "sticky",
+        "timeout_ms",
+        "call_remaining",
+        "passed_on",
+        "principal",
+        "authenticated",
+        "admitted",
+        "rate",
+        "caller",
+        "held",
+        "slot",
+        "deadline",
+        "plan",
+        "role",
+        "route",
+        "cache_state",
+        "cascade",
+        "mark",
+        "cascade_stage",
+        "cascade_failed",
+        "status",
+        "ok",
+        "answered",
+    )
+
+    def __init__(
+        self,
+        protocol: str,
+        started: float,
+        model: str = "",
+        version: str = "",
+        named: bool = False,
+        request_id: str = "",
+        client: str = "",
+        authorization: str | None = None,
+        api_key: str | None = None,
+        pinned: str | None = None,
+        sticky: str | None = None,
+        timeout_ms: str | None = None,
+        call_remaining: float | None = None,
+        passed_on: bool = False,
+        status: str = "500",
+    ) -> None:
+        self.protocol = protocol  # "http" | "grpc": the metrics label
+        self.started = started
+        self.model = model
+        self.version = version
+        self.named = named  # the model is known (from the path, or once the message is read); "" is a name
+        self.request_id = request_id  # the id the gateway logs and forwards (x-request-id)
+        self.client = client  # the peer's address
+        self.authorization = authorization
+        self.api_key = api_key
+        self.pinned = pinned  # the client's region pin (routing.region_header)
+        self.sticky = sticky  # traffic.sticky_header: whose canary bucket
+        self.timeout_ms = timeout_ms  # retries.timeout_header
+        self.call_remaining = call_remaining  # a gRPC call's own deadline, seconds left
+        self.passed_on = passed_on  # a header the answer may depend on is forwarded: never cached
+        # set by the steps
+        self.principal: Principal | None = None
+        self.authenticated = False
+        self.admitted = False
+        self.rate: asyncio.Future[None] | None = None  # a rate check already under way (the gRPC bridge's)
+        self.caller = ""  # whom the request's bytes are counted against
+        self.held = 0  # bytes counted in gw.bodies, given back when the call ends
+        self.slot: Slot | None = None  # held in gw.inflight or gw.streams until admission.release
+        self.deadline = 0.0
+        self.plan: Plan | None = None
+        self.role: Role | None = None
+        self.route: Route | None = None
+        self.cache_state: str | None = None  # "hit" | "miss" | "coalesced" when the cache was asked
+        self.cascade: Cascade | None = None  # the model is a cascade's served name (pipeline/cascade.py)
+        self.mark: Mark | None = None  # what the cascade's answer says: its stage, the rule's score
+        self.cascade_stage: Stage | None = None  # the stage whose answer it is
+        self.cascade_failed = False  # a stage failed or refused on the way: not what the rule alone chose
+        self.status = status  # the metrics label: HTTP status or gRPC code name
+        self.ok = False  # not the server's fault (what a canary is judged on)
+        self.answered = False  # the answer is on the wire: a later error cannot change it
 
 
 class Request(Protocol, Generic[A]):

@@ -198,6 +198,52 @@ def test_an_answer_held_for_the_end_of_the_turn_goes_out_before_the_next_request
     asyncio.run(main())
 
 
+class _HeaderApp:
+    """Infer answers with one header of the value given (an upstream's, as the exchange sees it)."""
+
+    def __init__(self, value: bytes) -> None:
+        self.value = value
+
+    async def __call__(self, scope: dict[str, object], receive: object, send: object) -> None:
+        raise AssertionError("an infer request never reaches the ASGI app")
+
+    async def infer(self, exchange: object, headers: object, model: str, *rest: object) -> None:
+        answer = [(b"content-type", b"text/plain"), (b"x-answer", self.value)]
+        await exchange.write(200, answer, b"answer")  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "value,written",
+    [
+        (b"a\tb", True),
+        (b"a\r\nset-cookie: x", False),
+        (b"a\nb", False),
+        (b"a\x00b", False),
+        (b"a\x7fb", False),
+    ],
+    ids=["tab", "crlf", "lf", "nul", "del"],
+)
+def test_an_answer_header_with_a_control_character_is_never_written(value: bytes, written: bool) -> None:
+    """The exchange checks every answer header's value before its one write: a tab is a value's
+    own, any other control character would split or corrupt the response, so the connection closes
+    with none of it sent."""
+
+    async def main() -> None:
+        transport = _Recorded()
+        protocol = _protocol(_HeaderApp(value), transport)
+        protocol.data_received(_infer("m"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        sent = b"".join(transport.written)
+        assert (b"x-answer: " + value + b"\r\n" in sent) == written
+        assert (b"x-answer" in sent) == written
+        assert transport.closing != written
+        assert (b"200 OK" in sent) == written  # else no head was sent: the connection just closes
+        protocol.connection_lost(None)
+
+    asyncio.run(main())
+
+
 # -- a real gateway --------------------------------------------------------------------------------
 
 ROW = np.linspace(-1, 1, 8, dtype=np.float32).reshape(1, 8)
