@@ -23,7 +23,8 @@ as much as the rest of a cache hit. `_OneWrite` holds small writes made in the s
 turn and sends them together at the end of it.
 
 The protocol is compiled (gateway/compiled_build.py): the parser's callbacks run for every request,
-and interpreted they were a sixth of a cache hit's instructions. uvicorn's class stays its base (the
+and interpreted they cost about 7,000 of a cache hit's 144,000 instructions (docs/benchmarks.md,
+"The connection compiled"). uvicorn's class stays its base (the
 ASGI path, upgrades and errors are its code), so what compiled code reads of uvicorn's attributes
 is read as uvicorn sets it, not as its annotations say (`timeout_keep_alive` is a float here).
 A listener's bounds are an object given to each connection (`ConnectionBounds`), not class
