@@ -5,7 +5,9 @@ CPU time per request moves by a quarter between rounds on these 2 shared cores (
 so a change of a few percent cannot be read from it. valgrind's callgrind counts the instructions a
 process executes, the same for the same code and inputs whatever else the machine runs. Here each
 gateway runs under callgrind (one process, the compiled build unless `--build pure`), a sequential
-keep-alive client sends `--requests` HTTP JSON infer requests after a warm-up, and the count between
+keep-alive client sends `--requests` HTTP JSON infer requests after a warm-up, each in one write as
+wrk sends them (http.client writes the head and the body apart, and whether the gateway reads them
+in one read or two then depends on timing: two reads run another path), and the count between
 the two is divided by the number of requests: a cache hit (model `bench_gwcache`) and an uncached
 request forwarded to a real Triton (model `bench`; Triton's own instructions are not counted).
 `--against NAME=DIR` measures another checkout's gateway (its sources and compiled extensions, run by
@@ -23,10 +25,10 @@ Needs valgrind (Debian: apt-get install valgrind).
 from __future__ import annotations
 
 import argparse
-import http.client
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -64,27 +66,52 @@ def _total(out: Path) -> int:
     raise RuntimeError(f"{out} has no summary line: not a callgrind dump")
 
 
-def _post(
-    conn: http.client.HTTPConnection, model: str, body: bytes, headers: dict[str, str]
-) -> tuple[int, bytes]:
-    conn.request("POST", f"/v2/models/{model}/infer", body=body, headers=headers)
-    resp = conn.getresponse()
-    return resp.status, resp.read()
+class OneWriteClient:
+    """A keep-alive HTTP/1.1 client that sends each request, head and body, in one write."""
+
+    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout_s)
+        self.pending = b""
+
+    def post(self, model: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        head = f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: bench\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        head += f"Content-Length: {len(body)}\r\n\r\n"
+        self.sock.sendall(head.encode() + body)
+        while b"\r\n\r\n" not in self.pending:
+            self.pending += self._recv()
+        answer_head, self.pending = self.pending.split(b"\r\n\r\n", 1)
+        lines = answer_head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        length = next(
+            int(v) for k, _, v in (line.partition(":") for line in lines[1:]) if k.lower() == "content-length"
+        )
+        while len(self.pending) < length:
+            self.pending += self._recv()
+        answer, self.pending = self.pending[:length], self.pending[length:]
+        return status, answer
+
+    def _recv(self) -> bytes:
+        data = self.sock.recv(65536)
+        if not data:
+            raise RuntimeError("the gateway closed the connection")
+        return data
+
+    def close(self) -> None:
+        self.sock.close()
 
 
-def _send(conn: http.client.HTTPConnection, model: str, body: bytes, headers: dict[str, str], n: int) -> None:
+def _send(client: OneWriteClient, model: str, body: bytes, headers: dict[str, str], n: int) -> None:
     for _ in range(n):
-        status, answer = _post(conn, model, body, headers)
+        status, answer = client.post(model, body, headers)
         if status != 200:
             raise RuntimeError(f"{model}: HTTP {status} {answer[:200]!r}")
 
 
-def _wait_routable(
-    conn: http.client.HTTPConnection, model: str, body: bytes, headers: dict[str, str]
-) -> None:
+def _wait_routable(client: OneWriteClient, model: str, body: bytes, headers: dict[str, str]) -> None:
     """Until the gateway's first probe has found the model (valgrind slows its start)."""
     deadline = time.monotonic() + 300
-    while (status := _post(conn, model, body, headers)[0]) != 200:
+    while (status := client.post(model, body, headers)[0]) != 200:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{model}: still HTTP {status} after 300 s under valgrind")
         time.sleep(0.5)
@@ -120,7 +147,7 @@ def count(
     env = {"SKEWSERVE_GATEWAY_BUILD": build, "PYTHONPATH": str(checkout)}
     gateway = start_gateway_process(config, work / f"{name}.log", timeout_s=600, env=env, python=str(wrapper))
     body, headers = json_request(ROW)
-    conn = http.client.HTTPConnection(gateway.host, gateway.http_port, timeout=300)
+    conn = OneWriteClient(gateway.host, gateway.http_port, timeout_s=300)
     try:
         _wait_routable(conn, model, body, headers)
         _send(conn, model, body, headers, WARM_UP)
