@@ -16,7 +16,7 @@ this checkout's Python) the same way, and each row prints this build / that one.
 Instructions are not seconds (a syscall's kernel time, cache misses and SHA extensions the CPU has
 but valgrind's CPU lacks are not in them), so this reads where Python-level work went, not
 throughput: the goals stay with `make bench-gateway-goals`. valgrind slows the gateway about 50x,
-so a run of 2,000 requests per row takes about two minutes a row.
+so a row of 2,000 requests takes about a minute and a half (its gateway's start-up included).
 
 Usage: python benchmarks/gateway_instructions.py [--requests 2000] [--against NAME=DIR ...]
 Needs valgrind (Debian: apt-get install valgrind).

@@ -64,9 +64,6 @@ class BodySignal:
         if self.event is not None:
             self.event.clear()
 
-    def is_set(self) -> bool:
-        return self.flag
-
     async def wait(self) -> None:
         if self.flag:
             return
