@@ -38,18 +38,19 @@ ENV = "SKEWSERVE_GATEWAY_BUILD"
 BUILDS = ("compiled", "pure")
 
 # The request path of both fronts, measured module by module (benchmarks/gateway_bench.py `steps`,
-# docs/benchmarks.md): the pipeline's steps, the JSON body reader, the HTTP exchange, cache keying,
-# routing and the balancer, the dispatcher's retry/hedge bookkeeping, admission's limits and keys,
-# metrics recording and its tallies, and the gRPC worker's own path (the bridge, the front and its
-# ModelInfer wire, the conversion to Triton's HTTP port), the Gateway every step asks (core.py;
+# docs/benchmarks.md): the pipeline's steps, the JSON body reader (orjson's read of a small header,
+# its checks, the keying and the deadline's splice) and its depth bound, the HTTP exchange, cache
+# keying, routing and the balancer, the dispatcher's retry/hedge bookkeeping, admission's limits and
+# keys, metrics recording and its tallies, and the gRPC worker's own path (the bridge, the front and
+# its ModelInfer wire, the conversion to Triton's HTTP port), the Gateway every step asks (core.py;
 # a test's stand-in for it must be a real Gateway), and the HTTP connection: its protocol (a
 # subclass of uvicorn's interpreted class, which compiles when what it reads of uvicorn is read as
 # uvicorn sets it), eager start and request ids. Interpreted: the errors (their subclasses override
 # class attributes, which compiled classes do not allow; and a class built on a C extension's class,
 # grpc's Cython AbortError for one, compiles but crashes when used), FastAPI's routes (it reads their
-# signatures), the JSON reader (a large header's walk runs in a worker thread and gives the event
-# loop the GIL at the interpreter's switch interval, which compiled code never does; its small
-# headers are read by orjson, in C already), and what only runs at start-up.
+# signatures), the exact JSON reader (exact_json.py: a large header's walk runs in a worker thread
+# and gives the event loop the GIL at the interpreter's switch interval, which compiled code never
+# does), and what only runs at start-up.
 COMPILED: tuple[str, ...] = (
     "gateway/core.py",
     "gateway/forward_headers.py",
@@ -60,7 +61,9 @@ COMPILED: tuple[str, ...] = (
     "gateway/fronts/grpc_infer.py",
     "gateway/fronts/http_infer.py",
     "gateway/fronts/http_protocol.py",
+    "gateway/fronts/infer_body.py",
     "gateway/fronts/infer_exchange.py",
+    "gateway/fronts/json_depth.py",
     "gateway/fronts/request_id.py",
     "gateway/fleet/balancer.py",
     "gateway/fleet/dispatch.py",

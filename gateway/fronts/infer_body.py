@@ -9,9 +9,9 @@ another (cache poisoning). So:
   limit; the inflated bytes are what is keyed, parsed and forwarded.
 - Duplicate object keys are refused at every level: Triton's parser (RapidJSON) takes the first
   occurrence, Python's `json` the last.
-- The walk is a small recursive descent over the header in which every container element passes
-  through Python code, so a large body walked in a worker thread gives the event loop the GIL back
-  at the interpreter's switch interval (a single C-level `json.loads` of 9 MB holds it for ~1 s).
+- Large headers are walked by the exact reader (gateway/fronts/exact_json.py), in a worker thread
+  above OFF_LOOP_BYTES; it stays interpreted so that the walk gives the event loop the GIL back.
+  This module is compiled (gateway/compiled_build.py): every request runs it.
 - Small headers (every binary-protocol header, small JSON) are parsed in C and keyed on one
   canonical serialisation of the parsed dict; a request whose answer is cached is forwarded in that
   form (Triton reads what was keyed), others as received with the deadline spliced in. They are read
@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import json.decoder
-import math
 import re
 import zlib
 from typing import Any
@@ -36,6 +34,17 @@ from typing import Any
 import orjson
 
 from gateway.errors import BadRequest, RequestTooLarge, UnsupportedEncoding
+from gateway.fronts.exact_json import (
+    Overflow,
+    RawData,
+    Walker,
+    kind,
+    loads_small,
+    numbers_only,
+    too_many,
+    walk,
+)
+from gateway.fronts.json_depth import MAX_DEPTH, may_nest_deeper_than
 
 # Above this many bytes, walking happens in a worker thread (asyncio.to_thread costs ~0.1 ms;
 # walking 64 KiB of string tensors on the loop about as much as that, numbers far less).
@@ -43,8 +52,6 @@ OFF_LOOP_BYTES = 64 * 1024
 # Headers up to this size (every binary-protocol header, small JSON) are parsed by `json` in C and
 # keyed on their canonical serialisation (forwarded so when the answer is cached).
 CANONICAL_BYTES = 16 * 1024
-# Deeper structure than any KServe request has; RapidJSON in Triton recurses per level.
-MAX_DEPTH = 32
 # Default of limits.max_tensors: inputs, outputs and parameters per request (and per tensor).
 MAX_TENSORS = 256
 # Default of limits.max_inflate_ratio, and the inflated size always allowed whatever the ratio.
@@ -55,269 +62,6 @@ MAX_UINT64 = 2**64 - 1
 # Parameters that address Triton's shared-memory extension, which the gateway does not expose:
 # forwarded, they would read another tenant's registered region.
 SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
-
-_WS = re.compile(r"[ \t\n\r]*")
-# A data array made only of numbers, literals and nested arrays: the common case, skipped in one scan.
-_PLAIN_ARRAY = re.compile(r"\[[-+.,0-9 \t\n\reEtrufalsn\[\]]*")
-# Tokens that matter for bracket depth once strings appear: a whole string, or a bracket.
-_ARRAY_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]]', re.S)
-_NOT_BRACKET = re.compile(r"[^\[\]]+")
-_NOT_OPENER = re.compile(r"[^\[\]{}]+")
-_scanstring: Any = json.decoder.scanstring  # type: ignore[attr-defined]  # C scanner, untyped
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-# Scalars only (strings, numbers, literals): containers are walked by `_Walker`.
-_scan_scalar: Any = json.JSONDecoder(parse_constant=_refuse_constant).scan_once  # type: ignore[attr-defined]
-
-
-class RawData:
-    """An input's `data` array, kept as its exact text (start/end offsets into the header text)."""
-
-    __slots__ = ("start", "end")
-
-    def __init__(self, start: int, end: int) -> None:
-        self.start = start
-        self.end = end
-
-
-class _Duplicate(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise _Duplicate(k)
-            seen.add(k)
-    return out
-
-
-# Whole containers in one C call, refusing duplicate keys: only for bodies small enough for the loop.
-_scan_small: Any = json.JSONDecoder(  # type: ignore[attr-defined]
-    object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant
-).scan_once
-
-
-def _too_many(where: str, what: str, limit: int) -> BadRequest:
-    return BadRequest(f"{where} has more than {limit} {what} (limits.max_tensors); send at most {limit}")
-
-
-def _where(path: tuple[str | int, ...]) -> str:
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
-    return out or "the request"
-
-
-def _duplicate(key: str, path: tuple[str | int, ...]) -> BadRequest:
-    where = f"in {_where(path)}" if path else "at the top level"
-    return BadRequest(
-        f"duplicate key {key!r} {where} of the request JSON; send each key once "
-        "(Triton reads the first occurrence, so the request is ambiguous)"
-    )
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, dict):
-        return "an object"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, bool):
-        return "a boolean"
-    if value is None:
-        return "null"
-    return "a number"
-
-
-# What an object or array is to the gateway; the rest is walked generically.
-_TOP, _INPUTS, _INPUT, _PARAMS, _OTHER = range(5)
-
-
-def _brackets_deeper_than(text: str, limit: int) -> bool:
-    """Whether balanced brackets in `text` (no strings in it) nest deeper than `limit`, in C-level
-    passes: each pass removes the innermost pairs, so `limit` passes empty any shallower text."""
-    brackets = _NOT_BRACKET.sub("", text)
-    for _ in range(limit):
-        if not brackets:
-            return False
-        brackets = brackets.replace("[]", "")
-    return bool(brackets)
-
-
-class _Walker:
-    """Recursive descent over the JSON header text; positions are character offsets into it.
-
-    `small` bodies scan uninteresting containers in one C call; large ones walk every container
-    in Python so a worker thread running the walk yields the GIL to the event loop.
-    """
-
-    def __init__(self, text: str, small: bool, max_tensors: int = MAX_TENSORS) -> None:
-        self.s = text
-        self.n = len(text)
-        self.small = small
-        self.max_tensors = max_tensors
-        self.data: list[RawData] = []
-        # The top-level `id` value: blanked in the cache key (every request has its own id).
-        self.id_span: tuple[int, int] | None = None
-        # Where the top-level object and its "parameters" sit, for splicing a timeout in later.
-        self.top_open = -1
-        self.top_empty = False
-        self.params_open = -1
-        self.params_empty = False
-        self.timeout_span: tuple[int, int] | None = None
-
-    def ws(self, i: int) -> int:
-        if i < self.n and self.s[i] in " \t\n\r":
-            m = _WS.match(self.s, i)
-            assert m is not None
-            return m.end()
-        return i
-
-    def fail(self, what: str, i: int) -> BadRequest:
-        return BadRequest(f"the request JSON is malformed: {what} at offset {i}")
-
-    def value(self, i: int, path: tuple[str | int, ...], role: int) -> tuple[Any, int]:
-        if len(path) > MAX_DEPTH:
-            raise BadRequest(f"the request JSON nests deeper than {MAX_DEPTH} levels at {_where(path)}")
-        s = self.s
-        if i >= self.n:
-            raise self.fail(f"missing value for {_where(path)}", i)
-        c = s[i]
-        if c == "{" or c == "[":
-            if role == _OTHER and self.small:
-                try:
-                    scanned, end = _scan_small(s, i)
-                except _Duplicate as dup:
-                    raise _duplicate(dup.key, path) from None
-                except RecursionError:
-                    raise BadRequest(f"the request JSON nests too deeply at {_where(path)}") from None
-                except (StopIteration, ValueError) as bad:
-                    raise self.fail(f"invalid value for {_where(path)} ({bad})", i) from None
-                # Deeper than the limit: walked below, which counts the levels and names the place.
-                if not _may_nest_deeper_than(s[i:end], MAX_DEPTH - len(path)):
-                    return scanned, end
-            if c == "{":
-                return self.obj(i, path, role)
-            return self.arr(i, path, role)
-        try:
-            return _scan_scalar(s, i)  # type: ignore[no-any-return]
-        except StopIteration:
-            raise self.fail(f"invalid value for {_where(path)}", i) from None
-        except ValueError as exc:
-            raise self.fail(f"invalid value for {_where(path)} ({exc})", i) from None
-
-    def obj(self, i: int, path: tuple[str | int, ...], role: int) -> tuple[dict[str, Any], int]:
-        s = self.s
-        out: dict[str, Any] = {}
-        opened = i + 1
-        i = self.ws(opened)
-        empty = i < self.n and s[i] == "}"
-        if role == _TOP:
-            self.top_open, self.top_empty = opened, empty
-        elif role == _PARAMS:
-            self.params_open, self.params_empty = opened, empty
-        if empty:
-            return out, i + 1
-        while True:
-            if i >= self.n or s[i] != '"':
-                raise self.fail(f"expected a key string in {_where(path)}", i)
-            try:
-                key, i = _scanstring(s, i + 1, True)
-            except ValueError as exc:
-                raise self.fail(f"bad key string in {_where(path)} ({exc})", i) from None
-            if key in out:
-                raise _duplicate(key, path)
-            # Counted as they come, so a million-key object is refused at its 257th key.
-            if len(out) >= self.max_tensors and path and path[-1] == "parameters":
-                raise _too_many(_where(path), "entries", self.max_tensors)
-            i = self.ws(i)
-            if i >= self.n or s[i] != ":":
-                raise self.fail(f"expected ':' after key {key!r}", i)
-            i = self.ws(i + 1)
-            if role == _INPUT and key == "data":
-                out[key], i = self.data_array(i, (*path, key))
-            elif role == _TOP and key in ("inputs", "parameters"):
-                out[key], i = self.value(i, (key,), _INPUTS if key == "inputs" else _PARAMS)
-            else:
-                start = i
-                out[key], i = self.value(i, (*path, key), _OTHER)
-                if role == _PARAMS and key == "timeout":
-                    self.timeout_span = (start, i)
-                elif role == _TOP and key == "id":
-                    self.id_span = (start, i)
-            i = self.ws(i)
-            if i < self.n and s[i] == ",":
-                i = self.ws(i + 1)
-                continue
-            if i < self.n and s[i] == "}":
-                return out, i + 1
-            raise self.fail(f"expected ',' or '}}' in {_where(path)}", i)
-
-    def arr(self, i: int, path: tuple[str | int, ...], role: int) -> tuple[list[Any], int]:
-        s = self.s
-        out: list[Any] = []
-        item_role = _INPUT if role == _INPUTS else _OTHER
-        i = self.ws(i + 1)
-        if i < self.n and s[i] == "]":
-            return out, i + 1
-        counted = len(path) == 1 and path[0] in ("inputs", "outputs")
-        while True:
-            if counted and len(out) >= self.max_tensors:
-                raise _too_many("the request", str(path[0]), self.max_tensors)
-            item, i = self.value(i, (*path, len(out)), item_role)
-            out.append(item)
-            i = self.ws(i)
-            if i < self.n and s[i] == ",":
-                i = self.ws(i + 1)
-                continue
-            if i < self.n and s[i] == "]":
-                return out, i + 1
-            raise self.fail(f"expected ',' or ']' in {_where(path)}", i)
-
-    def data_array(self, i: int, path: tuple[str | int, ...]) -> tuple[RawData, int]:
-        """Locate an input's `data` array without decoding it; Triton validates the values."""
-        s = self.s
-        if i >= self.n or s[i] != "[":
-            raise BadRequest(f"{_where(path)} must be a JSON array")
-        m = _PLAIN_ARRAY.match(s, i)
-        assert m is not None  # the pattern matches the '[' itself
-        end = s.rfind("]", i, m.end()) + 1
-        # In valid JSON a run of plain characters cannot reach past the array's own closing bracket
-        # (a key's quote or a '}' follows it), so a balanced run ends exactly at that bracket.
-        opened = s.count("[", i, end)
-        if end > i and opened == s.count("]", i, end):
-            if opened > 1 and _brackets_deeper_than(s[i:end], MAX_DEPTH):
-                raise BadRequest(f"{_where(path)} nests deeper than {MAX_DEPTH} levels")
-            raw = RawData(i, end)
-        else:
-            raw = RawData(i, self._skip_with_strings(i, path))
-        self.data.append(raw)
-        return raw, raw.end
-
-    def _skip_with_strings(self, i: int, path: tuple[str | int, ...]) -> int:
-        depth = 0
-        for m in _ARRAY_TOKEN.finditer(self.s, i):
-            c = m.group()
-            if c == "[":
-                depth += 1
-                if depth > MAX_DEPTH:
-                    raise BadRequest(f"{_where(path)} nests deeper than {MAX_DEPTH} levels")
-            elif c == "]":
-                depth -= 1
-                if depth == 0:
-                    return m.end()
-        raise self.fail(f"unterminated array in {_where(path)}", i)
 
 
 def _int_field(value: Any) -> bool:
@@ -332,13 +76,13 @@ def _shown(value: Any) -> str:
 def _validate(header: dict[str, Any], max_tensors: int = MAX_TENSORS) -> None:
     """Types of the fields the gateway or Triton read, and their counts; each error names the field."""
     if "id" in header and not isinstance(header["id"], str):
-        raise BadRequest(f"id must be a string, got {_kind(header['id'])}")
+        raise BadRequest(f"id must be a string, got {kind(header['id'])}")
     params = header.get("parameters")
     if params is not None:
         if not isinstance(params, dict):
-            raise BadRequest(f"parameters must be an object, got {_kind(params)}")
+            raise BadRequest(f"parameters must be an object, got {kind(params)}")
         if len(params) > max_tensors:
-            raise _too_many("parameters", "entries", max_tensors)
+            raise too_many("parameters", "entries", max_tensors)
         if "timeout" in params:
             t = params["timeout"]
             # Beyond uint64 Triton cannot read it, and the deadline arithmetic would overflow.
@@ -359,21 +103,21 @@ def _validate(header: dict[str, Any], max_tensors: int = MAX_TENSORS) -> None:
             continue
         items = header[section]
         if not isinstance(items, list):
-            raise BadRequest(f"{section} must be an array of objects, got {_kind(items)}")
+            raise BadRequest(f"{section} must be an array of objects, got {kind(items)}")
         if len(items) > max_tensors:
-            raise _too_many("the request", section, max_tensors)
+            raise too_many("the request", section, max_tensors)
         for n, item in enumerate(items):
             where = f"{section}[{n}]"
             if not isinstance(item, dict):
-                raise BadRequest(f"{where} must be an object, got {_kind(item)}")
+                raise BadRequest(f"{where} must be an object, got {kind(item)}")
             if "name" in item and not isinstance(item["name"], str):
-                raise BadRequest(f"{where}.name must be a string, got {_kind(item['name'])}")
+                raise BadRequest(f"{where}.name must be a string, got {kind(item['name'])}")
             if "parameters" in item:
                 tensor_params = item["parameters"]
                 if not isinstance(tensor_params, dict):
-                    raise BadRequest(f"{where}.parameters must be an object, got {_kind(tensor_params)}")
+                    raise BadRequest(f"{where}.parameters must be an object, got {kind(tensor_params)}")
                 if len(tensor_params) > max_tensors:
-                    raise _too_many(f"{where}.parameters", "entries", max_tensors)
+                    raise too_many(f"{where}.parameters", "entries", max_tensors)
                 for name in SHARED_MEMORY_PARAMETERS:
                     if name in tensor_params:
                         raise BadRequest(
@@ -381,10 +125,10 @@ def _validate(header: dict[str, Any], max_tensors: int = MAX_TENSORS) -> None:
                             "shared-memory extension; send tensor data in the request"
                         )
             if section == "inputs":
-                if "data" in item and not isinstance(item["data"], list | RawData):
+                if "data" in item and not isinstance(item["data"], (list, RawData)):
                     raise BadRequest(f"{where}.data must be a JSON array")
                 if "datatype" in item and not isinstance(item["datatype"], str):
-                    raise BadRequest(f"{where}.datatype must be a string, got {_kind(item['datatype'])}")
+                    raise BadRequest(f"{where}.datatype must be a string, got {kind(item['datatype'])}")
                 shape = item.get("shape")
                 if "shape" in item and (
                     not isinstance(shape, list) or not all(_int_field(d) and d >= 0 for d in shape)
@@ -415,7 +159,7 @@ class InferBody:
         header_length: int | None,
         text: str,
         header: dict[str, Any],
-        walker: _Walker | None,
+        walker: Walker | None,
     ) -> None:
         """`walker` None: a small header, keyed canonically (see `with_timeout`)."""
         self.body = body  # as received (inflated if the client compressed it)
@@ -516,42 +260,12 @@ class InferBody:
         return len(self.text[:char_offset].encode())
 
 
-def _may_nest_deeper_than(text: str, limit: int) -> bool:
-    """Cheap over-estimate of nesting depth from the text (brackets inside strings count too);
-    True sends the header to the walk, which measures exactly and names the place."""
-    if text.count("[") + text.count("{") <= limit:
-        return False
-    brackets = _NOT_OPENER.sub("", text)
-    for _ in range(limit):
-        if not brackets:
-            return False
-        brackets = brackets.replace("[]", "").replace("{}", "")
-    return bool(brackets)
-
-
 # What Python's JSON reader accepts and Triton's (RapidJSON) refuses, with HTTP 500 that would count
 # against a healthy server: a high surrogate escape without its low one, and numbers beyond a double.
 # An escape counts only after an even run of backslashes ("\\ud800" is text, not an escape).
 _SURROGATE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u([dD][89a-fA-F][0-9a-fA-F]{2})")
 # A cheap over-estimate of fractions that may not fit a double: an exponent of 3+ digits, or 309+ digits.
 _MAY_OVERFLOW = re.compile(r"[eE][+]?0*[1-9][0-9]{2}|[0-9]{309}")
-
-
-class _Overflow(ValueError):
-    pass
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):
-        raise _Overflow(text)
-    return value
-
-
-# Small headers: numbers beyond a double are found as they are read (no scan of the text first).
-_loads_small = json.JSONDecoder(
-    object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant, parse_float=_finite
-).decode
 
 
 # Digit runs this long may be integers beyond 64 bits, which orjson reads as floats (`json` as ints).
@@ -592,15 +306,10 @@ def canonical_json(value: Any, sort_keys: bool = False) -> bytes:
         return json.dumps(value, sort_keys=sort_keys, separators=(",", ":")).encode()
 
 
-def _overflow(exc: _Overflow) -> BadRequest:
+def _overflow(exc: Overflow) -> BadRequest:
     return BadRequest(
         f"the request JSON has the number {str(exc)[:40]}, beyond a 64-bit float; Triton refuses it"
     )
-
-
-# Integers are left to the field checks (a `timeout` above 2^64-1 is refused by name) and, in
-# tensor data, to Triton, whose parse error comes back as the client's 400 (gateway/fronts/http_front.py).
-_numbers_only = json.JSONDecoder(parse_float=_finite, parse_constant=_refuse_constant).decode
 
 
 def check_triton_json(text: str, numbers: bool = True) -> None:
@@ -626,8 +335,8 @@ def check_triton_json(text: str, numbers: bool = True) -> None:
             )
     if numbers and _MAY_OVERFLOW.search(text):
         try:
-            _numbers_only(text)
-        except _Overflow as exc:
+            numbers_only(text)
+        except Overflow as exc:
             raise _overflow(exc) from None
         except (ValueError, RecursionError):
             pass  # malformed or deep: the walk names what is wrong
@@ -717,30 +426,20 @@ def parse_infer_body(
     check_triton_json(text, numbers=not small)
     if small:
         fast = _loads_fast(raw, text)
-        if fast is not None and not _may_nest_deeper_than(text, MAX_DEPTH):
+        if fast is not None and not may_nest_deeper_than(text, MAX_DEPTH):
             _validate(fast, max_tensors)
             return InferBody(body, header_length, text, fast, None)
         try:
-            header = _loads_small(text)
-        except _Overflow as exc:
+            header = loads_small(text)
+        except Overflow as exc:
             raise _overflow(exc) from None
         except (ValueError, RecursionError):
             check_triton_json(text)  # the walk below names what else is wrong
         else:
-            if isinstance(header, dict) and not _may_nest_deeper_than(text, MAX_DEPTH):
+            if isinstance(header, dict) and not may_nest_deeper_than(text, MAX_DEPTH):
                 _validate(header, max_tensors)
                 return InferBody(body, header_length, text, header, None)
-    walker = _Walker(text, small=len(text) < OFF_LOOP_BYTES, max_tensors=max_tensors)
-    i = walker.ws(0)
-    if i >= len(text):
-        raise BadRequest("the request body is empty; send a JSON object with 'inputs'")
-    if text[i] != "{":
-        value = [] if text[i] == "[" else walker.value(i, (), _OTHER)[0]
-        raise BadRequest(f"the request JSON must be an object at the top level, got {_kind(value)}")
-    header, end = walker.obj(i, (), _TOP)
-    end = walker.ws(end)
-    if end != len(text):
-        raise walker.fail("extra data after the JSON object", end)
+    header, walker = walk(text, small=len(text) < OFF_LOOP_BYTES, max_tensors=max_tensors)
     _validate(header, max_tensors)
     return InferBody(body, header_length, text, header, walker)
 

@@ -87,8 +87,8 @@ def test_the_build_is_recorded_against_every_gateway_source() -> None:
     assert manifest is not None, "no gateway/compiled.json: run `make setup`"
     assert sorted(manifest) == sorted(compiled_build.gateway_sources(ROOT))
     assert (
-        "gateway/fronts/infer_body.py" in manifest
-        and "gateway/fronts/infer_body.py" not in compiled_build.COMPILED
+        "gateway/fronts/exact_json.py" in manifest
+        and "gateway/fronts/exact_json.py" not in compiled_build.COMPILED
     )
     assert compiled_build.build_problems(manifest, ROOT) == []
 
