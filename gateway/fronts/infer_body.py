@@ -268,10 +268,9 @@ _SURROGATE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u([dD][89a-fA-F][0-9a-fA-F]{2
 _MAY_OVERFLOW = re.compile(r"[eE][+]?0*[1-9][0-9]{2}|[0-9]{309}")
 
 
-# Digit runs this long may be integers beyond 64 bits, which orjson reads as floats (`json` as ints).
-# Found as a run of zeros once every digit is a zero: two C calls, where a regex takes 6x as long.
-_DIGITS_AS_ZEROS = bytes.maketrans(b"123456789", b"000000000")
-_LONG_DIGIT_RUN = b"0" * 19
+# Floats this large may have been integer texts past 64 bits, which orjson reads as floats (`json`
+# as ints): such a header goes to the exact reader.
+_INTEGER_RANGE = 2.0**63
 
 
 def _loads_fast(raw: bytes, text: str) -> dict[str, Any] | None:
@@ -279,21 +278,58 @@ def _loads_fast(raw: bytes, text: str) -> dict[str, Any] | None:
     differently or not at all (the exact reader then reads it, or names what is wrong).
 
     orjson keeps the last of duplicate keys where the exact reader refuses them. A duplicate pair
-    dropped from the parsed value takes at least its own colon with it, so the value re-serialised
-    has fewer colons than the text; without duplicates the counts are equal, since every colon is a
-    key's or inside a string and both survive. A `\\u` escape could spell a colon inside a string,
-    so text with escapes goes to the exact reader.
+    dropped from the parsed value takes at least its own colon with it, so the parsed value holds
+    fewer colons (one per key, and those inside its strings) than the text; without duplicates the
+    counts are equal, since every colon is a key's or inside a string and both survive. A `\\u`
+    escape could spell a colon inside a string, so text with escapes goes to the exact reader.
     """
-    if "\\u" in text or _LONG_DIGIT_RUN in raw.translate(_DIGITS_AS_ZEROS):
+    if "\\u" in text:
         return None
     try:
         header = orjson.loads(raw)
-        # orjson reads 1024 levels and writes 254: deeper headers go to the exact reader's refusal.
-        if not isinstance(header, dict) or orjson.dumps(header).count(b":") != text.count(":"):
-            return None
-    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
+    except orjson.JSONDecodeError:
+        return None
+    # -1 (never a count) when nested deeper than MAX_DEPTH, or holding a float past 2^63.
+    if not isinstance(header, dict) or _colons(header, MAX_DEPTH) != text.count(":"):
         return None
     return header
+
+
+def _colons(value: object, room: int) -> int:
+    """The colons `value` written as JSON would hold (one per object key, and those in its strings),
+    counted without writing it (numbers cost most to write); -1 when the exact reader might read
+    its text otherwise: containers nested more than `room` deep (the walk names where), or a float
+    that may have been an integer past 64 bits."""
+    if isinstance(value, float):
+        return -1 if abs(value) >= _INTEGER_RANGE else 0
+    if isinstance(value, str):
+        return value.count(":")
+    if isinstance(value, dict):
+        if room == 0:
+            return -1
+        n = len(value)
+        for key, item in value.items():
+            inner = _colons(item, room - 1)
+            if inner < 0:
+                return -1
+            n += key.count(":") + inner
+        return n
+    if isinstance(value, list):
+        if room == 0:
+            return -1
+        n = 0
+        for item in value:
+            # Tensor data is mostly numbers: checked here, without a call per element.
+            if isinstance(item, float):
+                if abs(item) >= _INTEGER_RANGE:
+                    return -1
+            elif not isinstance(item, int):
+                inner = _colons(item, room - 1)
+                if inner < 0:
+                    return -1
+                n += inner
+        return n
+    return 0
 
 
 def canonical_json(value: Any, sort_keys: bool = False) -> bytes:
@@ -426,9 +462,11 @@ def parse_infer_body(
     check_triton_json(text, numbers=not small)
     if small:
         fast = _loads_fast(raw, text)
-        if fast is not None and not may_nest_deeper_than(text, MAX_DEPTH):
+        if fast is not None:
             _validate(fast, max_tensors)
             return InferBody(body, header_length, text, fast, None)
+        # Deep headers go to the walk, which names where the nesting passes the limit.
+        deep = may_nest_deeper_than(text, MAX_DEPTH)
         try:
             header = loads_small(text)
         except Overflow as exc:
@@ -436,7 +474,7 @@ def parse_infer_body(
         except (ValueError, RecursionError):
             check_triton_json(text)  # the walk below names what else is wrong
         else:
-            if isinstance(header, dict) and not may_nest_deeper_than(text, MAX_DEPTH):
+            if isinstance(header, dict) and not deep:
                 _validate(header, max_tensors)
                 return InferBody(body, header_length, text, header, None)
     header, walker = walk(text, small=len(text) < OFF_LOOP_BYTES, max_tensors=max_tensors)

@@ -361,12 +361,33 @@ def test_the_fast_reader_reads_what_the_exact_reader_reads_or_steps_aside(text: 
         '{"inputs":[],"a":{"b":1,"b":{"c:":":"}}}',
         '{"inputs":[],"\\u003a":1,"\\u003a":2}',  # an escaped colon
         '{"inputs":[],"parameters":{"timeout":18446744073709551616}}',  # past uint64: orjson reads a float
+        '{"inputs":[{"data":[1,-9223372036854775809]}]}',  # below int64: a float to orjson too
+        '{"inputs":[{"data":[[[-9223372036854775809]]]}]}',
+        '{"inputs":[],"p":{"q":-9223372036854775809}}',
+        '{"inputs":[],"p":' + "[" * 32 + "]" * 32 + "}",  # 33 levels: the walk decides, and names where
     ],
 )
 def test_texts_the_fast_reader_must_not_take(text: str) -> None:
     from gateway.fronts.infer_body import _loads_fast
 
     assert _loads_fast(text.encode(), text) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"inputs":[{"name":"x","shape":[1,3],"datatype":"FP32","data":[0.5,-1e18,9223372036854775807]}]}',
+        '{"id":"a:b","inputs":[],"parameters":{"k:":"v::"},"outputs":[{"name":"y"}]}',
+        '{"inputs":[],"p":' + "[" * 31 + "]" * 31 + "}",  # 32 levels, the most the fast reader takes
+    ],
+)
+def test_plain_requests_are_read_by_the_fast_reader(text: str) -> None:
+    """Every request that is not one of the cases above takes the fast path (a slower reader would
+    pass every other test)."""
+    from gateway.fronts.exact_json import loads_small
+    from gateway.fronts.infer_body import _loads_fast
+
+    assert _loads_fast(text.encode(), text) == loads_small(text)
 
 
 @pytest.mark.parametrize("levels", [33, 253, 254, 300, 1023, 1024])
