@@ -25,8 +25,27 @@ def _ignore() -> None:
     pass
 
 
+# What `infer_target` made of each URL seen: a keep-alive client sends the same few URLs, and
+# parsing one costs about 5,000 instructions. Bounded in entries and in URL length, so a client
+# sending ever new URLs only empties and refills it.
+_TARGETS: dict[bytes, tuple[str, str, bytes, bytes] | None] = {}
+TARGETS_MAX = 1024
+TARGET_URL_MAX = 256
+
+
 def infer_target(url: bytes) -> tuple[str, str, bytes, bytes] | None:
     """(model, version, raw path, query) when `url` is an infer request's, else None."""
+    if url in _TARGETS:
+        return _TARGETS[url]
+    target = _parse_target(url)
+    if len(url) <= TARGET_URL_MAX:
+        if len(_TARGETS) >= TARGETS_MAX:
+            _TARGETS.clear()
+        _TARGETS[url] = target
+    return target
+
+
+def _parse_target(url: bytes) -> tuple[str, str, bytes, bytes] | None:
     try:
         parsed = httptools.parse_url(url)
     except httptools.HttpParserInvalidURLError:

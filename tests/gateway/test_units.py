@@ -410,3 +410,28 @@ def test_an_infer_urls_target_is_read_with_or_without_a_query() -> None:
     assert infer_target(b"/v2/models/m%20x/infer") == ("m x", "", b"/v2/models/m%20x/infer", b"")
     for other in (b"/v2/models/m", b"/v2/models/m/ready", b"http://h", b"*", b"/v2/models/\xc3\xa9/infer"):
         assert infer_target(other) is None, other
+
+
+def test_the_targets_of_urls_seen_are_remembered_within_bounds() -> None:
+    """Each URL's target is remembered (a repeat is one lookup), in at most TARGETS_MAX entries of
+    URLs up to TARGET_URL_MAX bytes: a client sending new URLs cannot grow it, nor change what
+    another URL reads as."""
+    from gateway.fronts import infer_exchange
+    from gateway.fronts.infer_exchange import TARGET_URL_MAX, TARGETS_MAX, infer_target
+
+    mine = infer_target(b"/v2/models/mine/infer")
+    assert mine == ("mine", "", b"/v2/models/mine/infer", b"")
+    assert infer_target(b"/v2/models/mine/infer") is mine  # remembered, not parsed again
+    for n in range(3 * TARGETS_MAX):
+        assert infer_target(b"/v2/models/m%d/infer?n=%d" % (n, n)) == (
+            f"m{n}",
+            "",
+            b"/v2/models/m%d/infer" % n,
+            b"n=%d" % n,
+        )
+        assert infer_target(b"/x%d" % n) is None
+        assert len(infer_exchange._TARGETS) <= TARGETS_MAX
+    long = b"/v2/models/" + b"m" * TARGET_URL_MAX + b"/infer"
+    assert infer_target(long) == ("m" * TARGET_URL_MAX, "", long, b"")
+    assert long not in infer_exchange._TARGETS
+    assert infer_target(b"/v2/models/mine/infer") == mine
