@@ -25,7 +25,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway import compiled_build
-from gateway.operations.tallies import TallyCollector, TallyCounter, TallyHistogram
+from gateway.operations.tallies import (
+    CountChild,
+    HistogramChild,
+    TallyCollector,
+    TallyCounter,
+    TallyHistogram,
+)
 
 OTHER_MODEL = "__other__"
 DEPARTED_SERVER = "__departed__"
@@ -291,6 +297,10 @@ class GatewayMetrics:
         # Folds client-chosen model names into a bounded set; the gateway installs the real rule.
         self.model_label: Callable[[str], str] = lambda model: model
         self._children: dict[tuple[Any, ...], Any] = {}
+        # Each request's two children by its labels as given: one lookup and two native calls per
+        # request (by metric and final labels, each child cost a tuple built and a lookup). Dropped
+        # for a server whenever it joins or leaves, so its requests fold as `_server_label` says.
+        self._request_children: dict[tuple[str, str, str, str, str], tuple[CountChild, HistogramChild]] = {}
         # Servers in the fleet (a name can be held twice while an old server drains and a new one
         # with its name joins), and where each per-server metric keeps its region and server labels.
         self._fleet: Tally[tuple[str, str]] = Tally()
@@ -309,6 +319,7 @@ class GatewayMetrics:
 
     def server_joined(self, region: str, server: str) -> None:
         self._fleet[(region, server)] += 1
+        self._forget_request_children(region, server)  # they may count under DEPARTED_SERVER
 
     def server_left(self, region: str, server: str) -> None:
         """Forget a departed server's label children, unless another server of its name is in the fleet."""
@@ -316,6 +327,7 @@ class GatewayMetrics:
         if self._fleet[(region, server)] > 0:
             return
         del self._fleet[(region, server)]
+        self._forget_request_children(region, server)
         for key in [k for k in self._children if k[0] in self._per_server]:
             metric, region_at, server_at = self._per_server[key[0]]
             labels = key[1:]
@@ -327,17 +339,25 @@ class GatewayMetrics:
         """`server` while it is in the fleet (or no server was reached), else DEPARTED_SERVER."""
         return server if not server or (region, server) in self._fleet else DEPARTED_SERVER
 
+    def _forget_request_children(self, region: str, server: str) -> None:
+        for key in [k for k in self._request_children if k[1] == region and k[2] == server]:
+            del self._request_children[key]
+
     def request(
         self, model: str, region: str, server: str, protocol: str, status: str, seconds: float
     ) -> None:
         model = self.model_label(model)
-        child = self._children.get((id(self._requests), model, region, server, protocol, status))
-        if child is None:  # a new label set: checked once, then cached (the hot path is the lookup)
-            child = self._child(
-                self._requests, model, region, self._server_label(region, server), protocol, status
+        key = (model, region, server, protocol, status)
+        children = self._request_children.get(key)
+        if children is None:  # a new label set: checked once, then cached (the hot path is the lookup)
+            children = self._request_children[key] = (
+                self._child(
+                    self._requests, model, region, self._server_label(region, server), protocol, status
+                ),
+                self._child(self._latency, model, protocol),
             )
-        child.inc()
-        self._child(self._latency, model, protocol).observe(seconds)
+        children[0].inc()
+        children[1].observe(seconds)
 
     def upstream_latency(self, server: Any, seconds: float) -> None:
         name = self._server_label(server.region, server.name)

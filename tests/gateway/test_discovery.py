@@ -487,6 +487,11 @@ def test_a_departed_servers_metric_labels_are_removed_and_late_requests_fold() -
     m.request("lt", "r", "r/10.0.0.1", "http", "200", 0.01)  # finished after it left
     text = m.render().decode()
     assert 'server="r/10.0.0.1"' not in text and f'server="{DEPARTED_SERVER}"' in text
+    # Back in the fleet (a new server at the old address): its requests count under its name again.
+    m.server_joined("r", "r/10.0.0.1")
+    m.request("lt", "r", "r/10.0.0.1", "http", "200", 0.01)
+    assert 'server="r/10.0.0.1"' in m.render().decode()
+    m.server_left("r", "r/10.0.0.1")
     # A name held twice (an old server draining while a new one of its name joined) stays until both left.
     m.server_joined("r", "r/10.0.0.2")
     m.server_left("r", "r/10.0.0.2")
