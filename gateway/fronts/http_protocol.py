@@ -134,8 +134,10 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         self._pipeline: Any = self.pipeline
         self._event_loop: asyncio.AbstractEventLoop = self.loop
         self._server_state: Any = self.server_state
+        self._logger: Any = self.logger
         self._transport: Any = None
         self._flow: Any = None
+        self._client_host = ""
         self.bounds = bounds
         self.header_timeout_s = self.bounds.header_timeout_s
         # Read untyped: uvicorn annotates an int, the gateway gives a float, compiled code checks.
@@ -185,6 +187,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._transport, self._flow = self.transport, self.flow
+        self._client_host = self.client[0] if self.client else ""
         if self.bounds.max_per_source and not self._admit_source():
             return
         self._arm_header_timer()  # a connection that sends nothing is bounded too
@@ -291,8 +294,8 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             self.cycle.transport = _OneWrite(self._transport, self._event_loop)  # type: ignore[assignment]
 
     def on_body(self, body: bytes) -> None:
-        cycle = self.cycle
-        if type(cycle) is not InferExchange:
+        cycle: Any = self.cycle
+        if not isinstance(cycle, InferExchange):  # narrowed, compiled code reads its fields natively
             super().on_body(body)
             return
         if cycle.response_complete:  # answered early (an error): the rest of the body is dropped
@@ -323,8 +326,8 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
                 self._start_asgi_task(cycle, self._app)  # type: ignore[arg-type]
 
     def on_message_complete(self) -> None:
-        cycle = self.cycle
-        if type(cycle) is not InferExchange:
+        cycle: Any = self.cycle
+        if not isinstance(cycle, InferExchange):
             super().on_message_complete()
             return
         if not cycle.response_complete:
@@ -388,7 +391,18 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             if isinstance(writer, _OneWrite):
                 writer.flush()
         keep_alive = self._parser.get_http_version() != "1.0" and self._parser.should_keep_alive()
-        cycle = InferExchange(self, keep_alive, target, self.headers)  # positional: a compiled class
+        cycle = InferExchange(  # positional: a compiled class
+            self._transport,
+            self._flow,
+            self._logger,
+            self._server_state.default_headers,  # uvicorn renews it (the date) every second
+            self.on_response_complete,
+            self.expect_100_continue,
+            keep_alive,
+            target,
+            self.headers,
+            self._client_host,
+        )
         self.cycle = cycle  # type: ignore[assignment]
         if existing is None or existing.response_complete:
             if self._ran_eagerly:  # one eager start per read: this one gets a task (one turn later)

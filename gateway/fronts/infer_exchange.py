@@ -117,27 +117,35 @@ class InferExchange:
 
     def __init__(
         self,
-        protocol: Any,  # gateway/fronts/http_protocol.py's, which imports this module
+        transport: Any,
+        flow: Any,
+        logger: Any,
+        default_headers: list[tuple[bytes, bytes]],
+        on_response: Callable[[], None],
+        expect_100_continue: bool,
         keep_alive: bool,
         target: tuple[str, str, bytes, bytes],
         headers: list[tuple[bytes, bytes]],
+        client: str,
     ) -> None:
-        self.transport: Any = protocol.transport
-        self.flow = protocol.flow
-        self.logger = protocol.logger
-        self.default_headers: list[tuple[bytes, bytes]] = protocol.server_state.default_headers
+        """Given what the protocol holds (gateway/fronts/http_protocol.py), read there from its native
+        copies: read here from the protocol, each was a generic attribute lookup."""
+        self.transport = transport
+        self.flow = flow
+        self.logger = logger
+        self.default_headers = default_headers
         self.message_event = BodySignal()
-        self.on_response: Callable[[], None] = protocol.on_response_complete
+        self.on_response = on_response
         self.disconnected = False
         self.keep_alive = keep_alive
-        self.waiting_for_100_continue = protocol.expect_100_continue
+        self.waiting_for_100_continue = expect_100_continue
         self.body = bytearray()
         self.more_body = True
         self.response_started = False
         self.response_complete = False
         self.target = target  # model, version, raw path, query
         self.headers = headers
-        self.client = protocol.client[0] if protocol.client else ""
+        self.client = client
 
     async def run_asgi(self, app: Any) -> None:
         """Started by the protocol as it starts an ASGI request (now, or once pipelined ones are done)."""
