@@ -350,12 +350,15 @@ class GatewayMetrics:
         key = (model, region, server, protocol, status)
         children = self._request_children.get(key)
         if children is None:  # a new label set: checked once, then cached (the hot path is the lookup)
-            children = self._request_children[key] = (
-                self._child(
-                    self._requests, model, region, self._server_label(region, server), protocol, status
-                ),
+            label = self._server_label(region, server)
+            children = (
+                self._child(self._requests, model, region, label, protocol, status),
                 self._child(self._latency, model, protocol),
             )
+            # A departed server's late requests are not remembered by its name: names come and go
+            # with discovery, and nothing would drop them.
+            if label == server:
+                self._request_children[key] = children
         children[0].inc()
         children[1].observe(seconds)
 
