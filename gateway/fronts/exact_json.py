@@ -93,6 +93,7 @@ def _duplicate(key: str, path: tuple[str | int, ...]) -> BadRequest:
 
 
 def kind(value: Any) -> str:
+    """A JSON value's kind as an error names it ("an object", "a string", ...)."""
     if isinstance(value, dict):
         return "an object"
     if isinstance(value, list):
@@ -276,7 +277,7 @@ class Walker:
 
 
 class Overflow(ValueError):
-    pass
+    """A number beyond a double, which Triton refuses (Python reads 1e999 as inf)."""
 
 
 def finite(text: str) -> float:
