@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -30,6 +31,27 @@ _PORT_TAKEN = re.compile(
     r"(Address already in use|Failed to listen on|Socket '.*' already in use|failed to start .* service)",
     re.I,
 )
+
+
+def _answers_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def serves_metrics(extra_args: Sequence[str]) -> bool:
+    """Whether Triton's own flags leave its metrics endpoint on (it is on unless
+    `--allow-metrics` says false, in either of getopt's spellings)."""
+    args = list(extra_args)
+    for i, arg in enumerate(args):
+        value = arg.partition("=")[2] if arg.startswith("--allow-metrics=") else None
+        if arg == "--allow-metrics" and i + 1 < len(args):
+            value = args[i + 1]
+        if value is not None and value.strip().lower() in ("false", "0", "off"):
+            return False
+    return True
 
 
 def response_cache_config(size_mb: int) -> tuple[str, ...]:
@@ -124,7 +146,8 @@ class TritonServerSpec(BaseModel):
 
 
 class TritonServer:
-    """One running tritonserver: start() blocks until /v2/health/ready, stop() always reaps it."""
+    """One running tritonserver: start() blocks until /v2/health/ready answers and the metrics port
+    listens, stop() always reaps it."""
 
     def __init__(self, spec: TritonServerSpec, log_dir: Path, prepared: PreparedTriton | None = None) -> None:
         self.spec = spec
@@ -281,18 +304,26 @@ class TritonServer:
                 raise TritonStartError(
                     f"tritonserver {self.spec.name} exited with code {code}: {reason} (log: {self.log_path})"
                 )
-            try:
-                with urllib.request.urlopen(url, timeout=1.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
+            if _answers_ready(url) and self._metrics_listening():
+                return
             time.sleep(0.1)
         reason = self._failure_reason()
         self.stop()
         raise TritonStartError(
             f"tritonserver {self.spec.name} not ready after {self.spec.startup_timeout_s:.0f}s: {reason} (log: {self.log_path})"
         )
+
+    def _metrics_listening(self) -> bool:
+        """Triton opens its metrics port after HTTP already answers ready (tens of milliseconds
+        later), so a scrape right after start() would be refused; a server counts as started once
+        every endpoint it was given listens. A server told not to serve metrics has none to wait for."""
+        if not serves_metrics(self.spec.extra_args):
+            return True
+        try:
+            with socket.create_connection((self.spec.host, self.metrics_port), timeout=1.0):
+                return True
+        except OSError:
+            return False
 
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL it after the stop bound; idempotent."""

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -18,7 +19,14 @@ import tritonclient.http as httpclient
 from skewserve.errors import ModelLoadError, PortInUse, TritonNotInstalled
 from skewserve.ports import free_port
 from skewserve.triton_dist import PreparedTriton, prepare_triton, server_environment
-from skewserve.triton_process import TritonFleet, TritonServer, TritonServerSpec, start_servers, stop_servers
+from skewserve.triton_process import (
+    TritonFleet,
+    TritonServer,
+    TritonServerSpec,
+    serves_metrics,
+    start_servers,
+    stop_servers,
+)
 from tests.fixtures_models import write_affine_model
 from tests.waiting import wait_until
 
@@ -189,12 +197,27 @@ def test_a_fleet_member_fixing_one_port_gets_free_ones_for_the_rest(
 def test_a_spec_fixing_only_its_metrics_port_keeps_it(
     affine_repo: Path, log_dir: Path, prepared_triton: PreparedTriton
 ) -> None:
+    """Scraped right after start(): Triton opens its metrics port tens of milliseconds after HTTP
+    answers ready, and a CI run once caught start() returning inside that gap."""
     metrics_port = free_port()
     spec = TritonServerSpec(repository=affine_repo, name="metrics", metrics_port=metrics_port)
     with TritonServer(spec, log_dir, prepared_triton) as server:
         assert server.metrics_port == metrics_port
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
             assert b"nv_inference_count" in r.read()
+
+
+def test_a_server_told_to_serve_no_metrics_starts_without_waiting_for_them(
+    affine_repo: Path, log_dir: Path, prepared_triton: PreparedTriton
+) -> None:
+    """start() waits for the metrics port too (Triton opens it after HTTP answers ready), except
+    where Triton's own flags turn metrics off: there is nothing to wait for."""
+    flags = ("--allow-metrics", "OFF")
+    spec = TritonServerSpec(repository=affine_repo, name="quiet", extra_args=flags, startup_timeout_s=60)
+    with TritonServer(spec, log_dir, prepared_triton) as server:
+        np.testing.assert_array_equal(_infer_http(server.http_address), X * 2 + 1)
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(server.metrics_url, timeout=10)
 
 
 def test_a_fleet_member_whose_fixed_port_is_taken_is_refused_and_none_left_running(
@@ -273,3 +296,19 @@ def test_missing_binary_names_its_path(tmp_path: Path, monkeypatch: pytest.Monke
         TritonNotInstalled, match=r"tritonserver binary not found at .*pytriton/tritonserver/bin/tritonserver"
     ):
         locate_distribution()
+
+
+@pytest.mark.parametrize(
+    ("flags", "serves"),
+    [
+        ((), True),
+        (("--allow-metrics=false",), False),
+        (("--allow-metrics", "OFF"), False),
+        (("--allow-metrics=0",), False),
+        (("--allow-metrics=true", "--log-info=false"), True),
+    ],
+)
+def test_metrics_are_waited_for_unless_tritons_flags_turn_them_off(
+    flags: tuple[str, ...], serves: bool
+) -> None:
+    assert serves_metrics(flags) is serves
