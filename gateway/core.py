@@ -12,7 +12,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from gateway.config import GatewayConfig, ServerConfig
 from gateway.errors import BadRequest, NoReadyServer
@@ -39,13 +39,15 @@ from gateway.task_stop import cancel_all_and_wait
 from gateway.upstream.grpc_relay import GrpcRelay
 from gateway.upstream.server import FLEET_CHANGES, UpstreamServer
 
-logger = logging.getLogger(__name__)
+logger: Final = logging.getLogger(__name__)
 T = TypeVar("T")
-COLD_START_ROUNDS = 3  # loads a request waits for when its model keeps being moved away
+COLD_START_ROUNDS: Final = 3  # loads a request waits for when its model keeps being moved away
 # The model this request was admitted to (set by `Gateway.admit_model` in the request's own task),
 # so metric labels name only models the caller may use.
 
-_ADMITTED: contextvars.ContextVar[str | None] = contextvars.ContextVar("skewserve_admitted", default=None)
+_ADMITTED: Final[contextvars.ContextVar[str | None]] = contextvars.ContextVar(
+    "skewserve_admitted", default=None
+)
 
 
 class Gateway:

@@ -11,16 +11,16 @@ from gateway.errors import BadRequest
 # Forwarded headers Triton must be able to read: bounded, printable ASCII, each sent once. Anything
 # else would make Triton drop the connection, which the gateway would count against the server.
 _MAX_FORWARDED_HEADER: Final = 256
-_FORWARDED_NAMES = {b"content-type": "Content-Type", b"accept-encoding": "Accept-Encoding"}
+_FORWARDED_NAMES: Final = {b"content-type": "Content-Type", b"accept-encoding": "Accept-Encoding"}
 
 
-_UNPRINTABLE = re.compile(rb"[^\x20-\x7e]")
+_UNPRINTABLE: Final = re.compile(rb"[^\x20-\x7e]")
 
 # Never forwarded, whatever routing.header_forward_pattern says. Hop-by-hop headers (RFC 9110
 # 7.6.1, and Keep-Alive/Proxy-Connection of RFC 2068) describe one connection, not the request:
 # an `Expect: 100-continue` passed on makes Triton answer `100 Continue` first, which a proxy must
 # never take for the answer. Keys and framing are the gateway's own to send.
-NEVER_FORWARDED = frozenset(
+NEVER_FORWARDED: Final = frozenset(
     {
         "authorization",
         "x-api-key",
@@ -39,12 +39,12 @@ NEVER_FORWARDED = frozenset(
 )
 # Proxy-Authorization, Proxy-Connection...; the gateway's own headers, which HAProxy and Triton
 # would otherwise take as the gateway's word (x-skewserve-peer, -target-ip, -target-port).
-NEVER_FORWARDED_PREFIXES = ("proxy-", "x-skewserve-")
+NEVER_FORWARDED_PREFIXES: Final = ("proxy-", "x-skewserve-")
 
 
 # All forwarded headers of one request together: a proxy on the way (HAProxy's 16 KiB buffer for the
 # gRPC plane) or Triton itself would refuse more, and its refusal would be taken for a server fault.
-MAX_FORWARDED_BYTES = 4096
+MAX_FORWARDED_BYTES: Final = 4096
 
 
 def checked_forwarded_total(pairs: Iterable[tuple[str | bytes, str | bytes]]) -> None:
@@ -77,7 +77,7 @@ def forwarded_metadata(
     return tuple(out)
 
 
-_TOKEN = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
+_TOKEN: Final = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
 
 
 def bound_header(name: str, value: str) -> tuple[str, str]:

@@ -26,7 +26,7 @@ import contextvars
 import logging
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 from gateway.config import GatewayConfig
 from gateway.errors import (
@@ -44,7 +44,7 @@ from gateway.operations.metrics import GatewayMetrics
 from gateway.upstream.http_client import HttpResponse
 from gateway.upstream.server import UpstreamServer
 
-logger = logging.getLogger(__name__)
+logger: Final = logging.getLogger(__name__)
 T = TypeVar("T")
 Attempt = Callable[[UpstreamServer, float], Awaitable[T]]
 SequenceId = int | str | None
@@ -52,7 +52,7 @@ SequenceId = int | str | None
 
 # Whether this request's deadline is its model's configured one (retries.model_timeout_s, a model
 # known to be slow): then every attempt runs to it. Set by Gateway.deadline per request.
-WHOLE_DEADLINE: contextvars.ContextVar[bool] = contextvars.ContextVar("whole_deadline", default=False)
+WHOLE_DEADLINE: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar("whole_deadline", default=False)
 
 
 def check_version(version: str) -> str:
@@ -104,7 +104,7 @@ class Outcome(Generic[T]):
         self.attempts = attempts
 
 
-HEDGE_MIN_SAMPLES = 8
+HEDGE_MIN_SAMPLES: Final = 8
 
 
 def hedge_delay(servers: Iterable[UpstreamServer], floor_s: float) -> float:
@@ -114,8 +114,8 @@ def hedge_delay(servers: Iterable[UpstreamServer], floor_s: float) -> float:
     return max(floor_s, min(p95s) if p95s else 0.0)
 
 
-_GONE_MARKERS = (b"unknown model", b"has no available versions")
-GONE_CHECK_TIMEOUT_S = 1.0
+_GONE_MARKERS: Final = (b"unknown model", b"has no available versions")
+GONE_CHECK_TIMEOUT_S: Final = 1.0
 
 
 async def _confirmed_gone(body: bytes, model: str, server: UpstreamServer, routed: bool) -> bool:

@@ -13,10 +13,11 @@ holds (health, ejection, in-flight load) is still read from the server per reque
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Final
 
 from gateway.upstream.server import FLEET_CHANGES, UpstreamServer
 
-_NONE: list[UpstreamServer] = []
+_NONE: Final[list[UpstreamServer]] = []
 
 
 def _number(version: str) -> int:

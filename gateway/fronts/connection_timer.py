@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Final
 
-NONE = 0  # no wait armed; other values are the owner's names for its waits
+NONE: Final = 0  # no wait armed; other values are the owner's names for its waits
 
 
 class ConnectionTimer:

@@ -18,9 +18,9 @@ import collections.abc
 import contextvars
 import sys
 from collections.abc import Coroutine, Generator
-from typing import Any
+from typing import Any, Final
 
-_SENT = object()
+_SENT: Final = object()
 
 
 class _Resumed:

@@ -17,7 +17,7 @@ import re
 import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import grpc
 import httptools
@@ -29,15 +29,15 @@ from gateway.fronts.infer_body import inflate, inflate_cap
 from gateway.state.body_budget import BodyBudget
 from gateway.upstream.haproxy import PEER_HEADER
 
-logger = logging.getLogger(__name__)
+logger: Final = logging.getLogger(__name__)
 
 Handler = Callable[[bytes, Any], Awaitable[bytes]]
-_PREFIX = 5  # compressed flag + 4-byte big-endian length
-_LINGER_S = 1.0  # a refused request's connection closes once the request is read, or after this
-_OFF_LOOP_BYTES = 64 * 1024  # larger compressed messages are inflated in a worker thread
-_RECEIVING = 1  # the connection timer's one wait: a request still arriving
+_PREFIX: Final = 5  # compressed flag + 4-byte big-endian length
+_LINGER_S: Final = 1.0  # a refused request's connection closes once the request is read, or after this
+_OFF_LOOP_BYTES: Final = 64 * 1024  # larger compressed messages are inflated in a worker thread
+_RECEIVING: Final = 1  # the connection timer's one wait: a request still arriving
 # Transport headers, not call metadata (grpc.aio does not show them to handlers either).
-_NOT_METADATA = frozenset(
+_NOT_METADATA: Final = frozenset(
     {
         "host",
         "content-type",
@@ -52,9 +52,11 @@ _NOT_METADATA = frozenset(
         PEER_HEADER,
     }
 )
-_TIMEOUT = re.compile(r"^([0-9]{1,8})([HMSmun])$")
-_UNIT_S = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
-_RESPONSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ntransfer-encoding: chunked\r\n\r\n"
+_TIMEOUT: Final = re.compile(r"^([0-9]{1,8})([HMSmun])$")
+_UNIT_S: Final = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+_RESPONSE_HEAD: Final = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ntransfer-encoding: chunked\r\n\r\n"
+)
 
 
 class BridgeContext:

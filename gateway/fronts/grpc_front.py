@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import grpc
 import grpc.aio
@@ -36,15 +36,15 @@ from gateway.pipeline.statistics import SERVER_HEADER
 from gateway.upstream.haproxy import PEER_HEADER
 from gateway.upstream.server import UpstreamServer
 
-logger = logging.getLogger(__name__)
+logger: Final = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
-SERVICE = "inference.GRPCInferenceService"
-_FORWARD_METADATA = ("x-request-id",)
+SERVICE: Final = "inference.GRPCInferenceService"
+_FORWARD_METADATA: Final = ("x-request-id",)
 
 # Methods that answer without a key, as Triton's health endpoints do.
-UNKEYED_METHODS = frozenset({"ServerLive", "ServerReady"})
+UNKEYED_METHODS: Final = frozenset({"ServerLive", "ServerReady"})
 # What GrpcFront.methods() serves, for the data plane's refusal of every other path from its headers.
-UNARY_METHODS = (
+UNARY_METHODS: Final = (
     "ServerLive",
     "ServerReady",
     "ModelReady",

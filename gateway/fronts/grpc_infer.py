@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Final
 
 import grpc
 import grpc.aio
@@ -32,12 +32,12 @@ from gateway.state.cache import cache_key_async
 from gateway.state.limits import client_address
 from gateway.upstream.server import UpstreamServer
 
-logger = logging.getLogger(__name__)
+logger: Final = logging.getLogger(__name__)
 # Above this many bytes a ModelInfer message is parsed, and re-serialised for the cache key, in a
 # worker thread: upb parses ~1 GB/s, so the loop never holds more than ~0.25 ms of it.
-OFF_LOOP_BYTES = 256 * 1024
+OFF_LOOP_BYTES: Final = 256 * 1024
 # Answers counted against a canary (the client's own mistakes are not the version's)
-SERVER_FAULTS = frozenset({"INTERNAL", "UNAVAILABLE", "DEADLINE_EXCEEDED", "UNKNOWN"})
+SERVER_FAULTS: Final = frozenset({"INTERNAL", "UNAVAILABLE", "DEADLINE_EXCEEDED", "UNKNOWN"})
 
 
 def _check_tensor_counts(req: pb.ModelInferRequest, limit: int) -> None:
@@ -74,8 +74,8 @@ def _check_tensor_counts(req: pb.ModelInferRequest, limit: int) -> None:
 # grpc-message trailer, percent-encoded (up to 3 bytes per byte); HAProxy refuses trailers beyond its
 # buffer (tune.bufsize 32 KiB in gateway/upstream/haproxy.py) with a 502, which would count against a healthy
 # server. These bounds keep the largest such message within it; real ids and names are far shorter.
-MAX_ID_BYTES = 8192
-MAX_NAME_BYTES = 256
+MAX_ID_BYTES: Final = 8192
+MAX_NAME_BYTES: Final = 256
 
 
 def _check_echoed_lengths(req: pb.ModelInferRequest, size: int | None = None) -> None:

@@ -15,7 +15,7 @@ import json
 import logging
 import struct
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 from urllib.parse import quote
 
 from gateway.errors import (
@@ -47,16 +47,19 @@ from gateway.state.cache import cache_key_async
 from gateway.upstream.http_client import HttpResponse
 from gateway.upstream.server import UpstreamServer
 
-logger = logging.getLogger(__name__)
-JSON = b"application/json"
-HEADER_LENGTH = b"inference-header-content-length"
-_FORWARD = {b"content-type", b"accept-encoding"}
+logger: Final = logging.getLogger(__name__)
+JSON: Final = b"application/json"
+HEADER_LENGTH: Final = b"inference-header-content-length"
+_FORWARD: Final = {b"content-type", b"accept-encoding"}
 # A cascade's mark travels in headers too, stored with the answer (gateway/fleet/cascade.py).
-_CASCADE_HEADERS = frozenset(header_name(p).encode() for p in PARAMETERS)
-_RETURN = {b"content-type", HEADER_LENGTH, b"content-encoding", *_CASCADE_HEADERS}
+_CASCADE_HEADERS: Final = frozenset(header_name(p).encode() for p in PARAMETERS)
+_RETURN: Final = {b"content-type", HEADER_LENGTH, b"content-encoding", *_CASCADE_HEADERS}
 # Triton answers JSON it cannot read, and tensor data it cannot read as the shape and datatype say
 # (more values than the shape holds), with HTTP 500 and these texts: the request's fault, not the server's.
-_TRITON_PARSE_ERRORS = (b'{"error":"failed to parse the request JSON buffer', b'{"error":"Unable to parse \'')
+_TRITON_PARSE_ERRORS: Final = (
+    b'{"error":"failed to parse the request JSON buffer',
+    b'{"error":"Unable to parse \'',
+)
 
 
 def error_body(message: str) -> bytes:

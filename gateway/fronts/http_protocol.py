@@ -37,7 +37,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import httptools
 import uvicorn
@@ -52,7 +52,7 @@ from gateway.fronts.eager_start import start_eagerly
 from gateway.fronts.infer_exchange import COALESCE_BYTES, InferExchange, infer_target
 from gateway.state.limits import client_key
 
-logger = logging.getLogger(__name__)
+logger: Final = logging.getLogger(__name__)
 
 
 class _OneWrite:
@@ -94,7 +94,8 @@ class _OneWrite:
 
 
 # What a connection's one timer (gateway/fronts/connection_timer.py) is waiting for.
-_WAIT_HEADERS, _WAIT_KEEP_ALIVE = 1, 2
+_WAIT_HEADERS: Final = 1
+_WAIT_KEEP_ALIVE: Final = 2
 
 
 class ConnectionBounds:

@@ -11,14 +11,41 @@ from __future__ import annotations
 import asyncio
 import urllib.parse
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE
+from uvicorn.protocols.http import httptools_impl
 
 from gateway.fronts.http_infer import parse_infer_path
 
-COALESCE_BYTES = 64 * 1024  # larger writes go straight out (joining would copy them)
+# uvicorn's own tables, bound here as Final: compiled code reads a Final as a C static, an imported
+# name by a lookup in the module's dict on every response.
+HEADER_VALUE_RE: Final = httptools_impl.HEADER_VALUE_RE
+STATUS_LINE: Final = httptools_impl.STATUS_LINE
+COALESCE_BYTES: Final = 64 * 1024  # larger writes go straight out (joining would copy them)
+
+
+# What HEADER_VALUE_RE refuses in a header value, as a table for bytes.translate: deleting them and
+# comparing lengths costs a third of a regex search's set-up.
+_CONTROL: Final = bytes([*range(0x09), *range(0x0A, 0x20), 0x7F])
+
+
+class DefaultsBlock:
+    """uvicorn's default headers (date, server) as the head's lines, written once per list: uvicorn
+    puts a new list in place each second (the date), and every response in between shares it."""
+
+    def __init__(self) -> None:
+        self.source: list[tuple[bytes, bytes]] | None = None
+        self.lines = b""
+
+    def block(self, defaults: list[tuple[bytes, bytes]]) -> bytes:
+        if defaults is not self.source:
+            self.lines = b"".join([name + b": " + value + b"\r\n" for name, value in defaults])
+            self.source = defaults
+        return self.lines
+
+
+_DEFAULTS: Final = DefaultsBlock()
 
 
 def _ignore() -> None:
@@ -28,9 +55,9 @@ def _ignore() -> None:
 # What `infer_target` made of each URL seen: a keep-alive client sends the same few URLs, and
 # parsing one costs about 5,000 instructions. Bounded in entries and in URL length, so a client
 # sending ever new URLs only empties and refills it.
-_TARGETS: dict[bytes, tuple[str, str, bytes, bytes] | None] = {}
-TARGETS_MAX = 1024
-TARGET_URL_MAX = 256
+_TARGETS: Final[dict[bytes, tuple[str, str, bytes, bytes] | None]] = {}
+TARGETS_MAX: Final = 1024
+TARGET_URL_MAX: Final = 256
 
 
 def infer_target(url: bytes) -> tuple[str, str, bytes, bytes] | None:
@@ -209,18 +236,14 @@ class InferExchange:
         self.on_response()
 
     def _head(self, status: int, headers: list[tuple[bytes, bytes]], length: int) -> bytes:
-        # One search over every value (a tab joins them: the one control character a value may
-        # hold), the per-header search only to name a bad one: a search costs its set-up each time.
-        if HEADER_VALUE_RE.search(b"\t".join([value for _, value in headers])) is not None:
+        # One check over every value (a tab joins them: the one control character a value may
+        # hold); the per-header search only names a bad one.
+        values = b"\t".join([value for _, value in headers])
+        if len(values.translate(None, _CONTROL)) != len(values):
             for name, value in headers:
                 if HEADER_VALUE_RE.search(value):  # Triton's or the gateway's: never a split response
                     raise ValueError(f"invalid value of response header {name!r}")
-        parts = [STATUS_LINE[status]]
-        for name, value in self.default_headers:
-            parts.append(name)
-            parts.append(b": ")
-            parts.append(value)
-            parts.append(b"\r\n")
+        parts = [STATUS_LINE[status], _DEFAULTS.block(self.default_headers)]
         closing = False
         for name, value in headers:
             if name == b"connection" and b"close" in value.lower():

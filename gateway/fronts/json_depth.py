@@ -8,12 +8,13 @@ first, before any value is built.
 from __future__ import annotations
 
 import re
+from typing import Final
 
 # Deeper structure than any KServe request has.
-MAX_DEPTH = 32
+MAX_DEPTH: Final = 32
 
-_NOT_BRACKET = re.compile(r"[^\[\]]+")
-_NOT_OPENER = re.compile(r"[^\[\]{}]+")
+_NOT_BRACKET: Final = re.compile(r"[^\[\]]+")
+_NOT_OPENER: Final = re.compile(r"[^\[\]{}]+")
 
 
 def brackets_deeper_than(text: str, limit: int) -> bool:

@@ -8,10 +8,11 @@ error: 400 / INVALID_ARGUMENT naming the header, never an INTERNAL from the upst
 from __future__ import annotations
 
 import random
+from typing import Final
 
 from gateway.errors import BadRequest
 
-MAX_REQUEST_ID = 128
+MAX_REQUEST_ID: Final = 128
 
 
 def is_valid_request_id(value: str) -> bool:

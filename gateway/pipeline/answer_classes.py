@@ -6,13 +6,13 @@ traffic then skips the request, and a cascade escalates it, rather than guessing
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
-_DTYPES = {
+_DTYPES: Final = {
     "FP32": np.float32,
     "FP16": np.float16,
     "FP64": np.float64,

@@ -17,17 +17,17 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 T = TypeVar("T")
 
 
 # Answers made from stored bytes are kept only for entries this small, so the table stays within
 # max_entries x 2 x MEMO_BYTES (16 MiB by default) however large the cached responses are.
-MEMO_BYTES = 2048
+MEMO_BYTES: Final = 2048
 # Requests this small are named by their bytes, larger ones by a digest: the names stay within
 # max_entries x EXACT_BYTES (8 MiB by default).
-EXACT_BYTES = 2048
+EXACT_BYTES: Final = 2048
 
 
 class ExactAliases(Generic[T]):

@@ -18,7 +18,7 @@ counted here (the cache's own metrics count it).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Final, TypeVar
 
 from gateway.errors import (
     BadRequest,
@@ -35,9 +35,9 @@ if TYPE_CHECKING:
     from gateway.core import Gateway
     from gateway.fleet.router import Route
 
-logger = logging.getLogger(__name__)
+logger: Final = logging.getLogger(__name__)
 A = TypeVar("A")
-UNJUDGED = "__unjudged__"  # the class label of an escalation the rule could not judge (no such output)
+UNJUDGED: Final = "__unjudged__"  # the class label of an escalation the rule could not judge (no such output)
 
 
 def choose(gw: Gateway, call: Call) -> None:

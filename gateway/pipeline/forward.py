@@ -3,7 +3,7 @@ gateway/fleet/dispatch.py), for a request whose answer is its own."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Final, TypeVar
 
 from gateway.errors import NoReadyServer
 from gateway.pipeline.call import Call, Request
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from gateway.core import Gateway
 
 A = TypeVar("A")
-STABLE_WAIT_S = 5.0  # a reload's gap (unload, then load) is a second or two on a busy server
+STABLE_WAIT_S: Final = 5.0  # a reload's gap (unload, then load) is a second or two on a busy server
 
 
 async def send(gw: Gateway, call: Call, request: Request[A], shared: bool = False) -> A:

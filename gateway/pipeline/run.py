@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Final, Generic, Protocol, TypeVar
 
 from gateway.pipeline import admission, cached, canary, cascade, forward, record, shadow_send
 from gateway.pipeline.cache_alias import ExactAliases
@@ -30,7 +30,7 @@ from gateway.pipeline.call import Call, Request
 if TYPE_CHECKING:
     from gateway.core import Gateway
 
-logger = logging.getLogger(__name__)
+logger: Final = logging.getLogger(__name__)
 A = TypeVar("A")
 
 

@@ -17,7 +17,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 from gateway.state.coalesce import Coalescer
 from gateway.state.redis_link import RedisLink, RedisUnavailable, ThrottledLog
@@ -25,12 +25,12 @@ from gateway.task_stop import cancel_and_wait
 
 __all__ = ["Coalescer", "MemoryCache", "RedisCache", "ResponseCache", "cache_key", "cache_key_async"]
 
-logger = logging.getLogger(__name__)
+logger: Final = logging.getLogger(__name__)
 T = TypeVar("T")
 # v2: entries' HMAC covers namespace and key. Bumped so replicas of both formats, side by side
 # during a rolling upgrade, never read each other's entries (which would count as tampering).
-KEY_VERSION = b"v2"
-TAG_DOMAIN = b"skewserve-cache-entry-v2\0"
+KEY_VERSION: Final = b"v2"
+TAG_DOMAIN: Final = b"skewserve-cache-entry-v2\0"
 
 
 def cache_key(
@@ -58,7 +58,7 @@ def cache_key(
 
 # Above this many bytes the key is hashed in a worker thread (hashlib releases the GIL), so one
 # large request cannot stall the event loop for every other request (~1 ms per 2 MB here).
-OFF_LOOP_BYTES = 256 * 1024
+OFF_LOOP_BYTES: Final = 256 * 1024
 
 
 async def cache_key_async(

@@ -16,7 +16,7 @@ import ipaddress
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from gateway.config import GatewayConfig
 from gateway.errors import RateLimited
@@ -26,7 +26,7 @@ from gateway.state.redis_link import RedisLink, RedisUnavailable
 
 # Token bucket (the same arithmetic as TokenBucket) on Redis's clock, so replicas' clocks never
 # matter. Returns the wait in seconds as a string (Lua numbers become integers in replies).
-TOKEN_BUCKET_LUA = """
+TOKEN_BUCKET_LUA: Final = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local rate = tonumber(ARGV[1])

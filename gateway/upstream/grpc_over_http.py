@@ -29,7 +29,7 @@ import math
 import urllib.parse
 from collections.abc import Sequence
 from decimal import Decimal
-from typing import Any
+from typing import Any, Final
 
 import grpc
 import orjson
@@ -40,13 +40,13 @@ from gateway.errors import UpstreamRejected, UpstreamTimeout
 from gateway.upstream.grpc_relay import GrpcChannel, RelayChannel, upstream_error
 from gateway.upstream.http_client import HttpPool, HttpResponse
 
-_HEADER_LENGTH = b"inference-header-content-length"
+_HEADER_LENGTH: Final = b"inference-header-content-length"
 # Larger messages are not parsed and copied on the event loop: the relay carries their bytes as
 # they came.
-MAX_CONVERTED_BYTES = 256 * 1024
+MAX_CONVERTED_BYTES: Final = 256 * 1024
 # Headers that frame the request Triton's HTTP front reads (or its answer): metadata of these names
 # would change what it reads, so such a call goes by gRPC, where they are only metadata.
-_FRAMING = frozenset(
+_FRAMING: Final = frozenset(
     {
         "content-type",
         "content-length",
@@ -63,7 +63,7 @@ _FRAMING = frozenset(
     }
 )
 # What HTTP's status says the error was, as the gRPC front would code it.
-_CODES = {
+_CODES: Final = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     404: grpc.StatusCode.NOT_FOUND,
     500: grpc.StatusCode.INTERNAL,
@@ -71,7 +71,7 @@ _CODES = {
 }
 # Parameters each front reads itself, with the only type both read the same way; the `triton_`
 # prefix and HTTP's own `binary_data_output` are never carried (gRPC passes the latter to the model).
-_NON_NEGATIVE_INT = {"priority", "timeout"}
+_NON_NEGATIVE_INT: Final = {"priority", "timeout"}
 
 
 def _parameter(key: str, param: pb.InferParameter) -> Any:

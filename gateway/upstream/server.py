@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from gateway.config import ServerConfig
 from gateway.upstream.grpc_over_http import HttpBinaryChannel
@@ -37,9 +37,9 @@ class ChangeCount:
 
 # What a server holds, which servers and regions there are, a region's fixed RTT, the home region:
 # routing's model index (gateway/fleet/model_index.py) and its region order.
-FLEET_CHANGES = ChangeCount()
+FLEET_CHANGES: Final = ChangeCount()
 # Probes' round-trip samples: the nearest-region order (a region's RTT is its servers' minimum).
-PROBE_RTT_SAMPLES = ChangeCount()
+PROBE_RTT_SAMPLES: Final = ChangeCount()
 
 
 @dataclass
