@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any
+from typing import Any, Final
 
 import httptools
 
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
+from gateway.fronts.connection_timer import ConnectionTimer
 from gateway.upstream.tls import UpstreamTls
+
+_ANSWER: Final = 1  # the connection timer's one wait: a request's answer
 
 
 class _Expired(Exception):
     """The response did not come within the request's bound."""
-
-
-def _expire(waiter: asyncio.Future[HttpResponse]) -> None:
-    if not waiter.done():
-        waiter.set_exception(_Expired())
 
 
 class HttpResponse:
@@ -45,6 +43,9 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: HttpPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
+        # One timer for the connection's successive requests: a loop timer started and cancelled
+        # per request cost about 3,700 instructions of an uncached request's 176,000.
+        self.timer = ConnectionTimer(asyncio.get_running_loop(), self._expired)
         self.parser = httptools.HttpResponseParser(self)
         self.waiter: asyncio.Future[HttpResponse] | None = None
         self.headers: list[tuple[bytes, bytes]] = []
@@ -74,6 +75,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.timer.close()
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(
                 UpstreamUnavailable(f"{self.pool.address}: connection closed before a response")
@@ -105,12 +107,17 @@ class _Connection(asyncio.Protocol):
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(resp)
 
+    def _expired(self, wait: int) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(_Expired())
+
     def _fail(self, exc: Exception) -> None:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(exc)
 
     def close(self) -> None:
         self.closed = True
+        self.timer.close()
         if self.transport is not None:
             self.transport.close()
 
@@ -220,8 +227,8 @@ class HttpPool:
             raise UpstreamUnavailable(
                 f"{self.address}: connection closed before the request was sent"
             ) from exc
-        # A timer on the future rather than asyncio.wait_for: same effect, a fraction of its cost.
-        timer = loop.call_later(timeout_s, _expire, conn.waiter)
+        # The connection's timer rather than asyncio.wait_for: same effect, a fraction of its cost.
+        conn.timer.arm(_ANSWER, timeout_s)
         try:
             resp = await conn.waiter
         except _Expired as expired:
@@ -237,7 +244,7 @@ class HttpPool:
             conn.close()
             raise
         finally:
-            timer.cancel()
+            conn.timer.disarm(_ANSWER)
             conn.waiter = None
         if conn.keep_alive and not conn.closed and len(self._idle) < self.max_idle:
             self._idle.append(conn)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+from gateway.errors import UpstreamTimeout
 from gateway.upstream.http_client import HttpPool
 
 
@@ -122,3 +123,81 @@ def test_an_answer_arriving_while_the_connection_is_idle_closes_it() -> None:
             server.close()
 
     assert asyncio.run(main()) == ([b"answer-1", b"answer-2"], 2)  # the second on a new connection
+
+
+async def _serve_held(held: set[int]) -> tuple[asyncio.Server, str, dict[int, asyncio.Event]]:
+    """A server that answers its n-th request at once, or, for n in `held`, once `release[n]` is set."""
+    release = {n: asyncio.Event() for n in held}
+    count = [0]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+                await reader.readexactly(length)
+                count[0] += 1
+                if count[0] in release:
+                    await release[count[0]].wait()
+                writer.write(_answer(f"answer-{count[0]}".encode()))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}", release
+
+
+def test_a_shorter_bound_after_a_longer_one_on_the_same_connection_still_expires() -> None:
+    """The connection keeps one timer across its requests: a request bounded more tightly than the
+    one before it must not wait for the earlier, later deadline."""
+
+    async def main() -> tuple[bytes, str, int]:
+        server, address, release = await _serve_held({2})
+        pool = HttpPool(address)
+        try:
+            first = await pool.request(b"POST", b"/x", b"{}", timeout_s=300)
+            async with asyncio.timeout(60):  # a bound on the test, far above the request's own
+                try:
+                    await pool.request(b"POST", b"/x", b"{}", timeout_s=0.2)
+                except UpstreamTimeout as exc:
+                    refused = str(exc)
+            return first.body, refused, len(pool._idle)
+        finally:
+            release[2].set()
+            await pool.close()
+            server.close()
+
+    body, refused, idle = asyncio.run(main())
+    assert body == b"answer-1" and "no response within 0.200s" in refused
+    assert idle == 0  # the expired request's connection is closed, not pooled
+
+
+def test_an_earlier_requests_deadline_never_expires_a_later_request() -> None:
+    """The timer armed for the first request fires during the second, which has a later deadline of
+    its own: it re-arms for the second's deadline, and the second gets its answer."""
+
+    async def main() -> list[bytes]:
+        server, address, release = await _serve_held({2})
+        pool = HttpPool(address)
+        try:
+            first = await pool.request(b"POST", b"/x", b"{}", timeout_s=0.2)
+            conn = pool._idle[-1]
+            fired_at = conn.timer.handle_at
+            second = asyncio.ensure_future(pool.request(b"POST", b"/x", b"{}", timeout_s=300))
+            async with asyncio.timeout(60):
+                while conn.timer.handle_at == fired_at:  # the first deadline has passed: re-armed
+                    await asyncio.sleep(0.01)
+            release[2].set()
+            return [first.body, (await second).body]
+        finally:
+            await pool.close()
+            server.close()
+
+    assert asyncio.run(main()) == [b"answer-1", b"answer-2"]
