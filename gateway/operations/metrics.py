@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -32,9 +32,6 @@ from gateway.operations.tallies import (
     TallyCounter,
     TallyHistogram,
 )
-
-if TYPE_CHECKING:
-    from gateway.upstream.server import UpstreamServer
 
 OTHER_MODEL: Final = "__other__"
 DEPARTED_SERVER: Final = "__departed__"
@@ -365,7 +362,7 @@ class GatewayMetrics:
         children[0].inc()
         children[1].observe(seconds)
 
-    def upstream_latency(self, server: UpstreamServer, seconds: float) -> None:
+    def upstream_latency(self, server: Any, seconds: float) -> None:
         region = server.region
         name = self._server_label(region, server.name)
         child: HistogramChild = self._child(self._upstream, region, name)  # typed: a native call
