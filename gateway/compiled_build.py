@@ -52,9 +52,9 @@ BUILDS = ("compiled", "pure")
 # and gives the event loop the GIL at the interpreter's switch interval, which compiled code never
 # does), and what only runs at start-up.
 COMPILED: tuple[str, ...] = (
+    "gateway/connection_timer.py",
     "gateway/core.py",
     "gateway/forward_headers.py",
-    "gateway/fronts/connection_timer.py",
     "gateway/fronts/eager_start.py",
     "gateway/fronts/grpc_bridge.py",
     "gateway/fronts/grpc_front.py",

@@ -23,8 +23,8 @@ import grpc
 import httptools
 
 from gateway.config import LimitsConfig
+from gateway.connection_timer import ConnectionTimer
 from gateway.errors import BridgeAbort, GatewayError, UnsupportedEncoding, grpc_code_for
-from gateway.fronts.connection_timer import ConnectionTimer
 from gateway.fronts.infer_body import inflate, inflate_cap
 from gateway.state.body_budget import BodyBudget
 from gateway.upstream.haproxy import PEER_HEADER

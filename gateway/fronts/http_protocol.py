@@ -9,7 +9,7 @@ completed it (gateway/fronts/eager_start.py): one answered without waiting on th
 hit, a refusal) is written before that callback returns, with no task. Every other request goes to the ASGI app (FastAPI) on the same
 connection. The connection owns what uvicorn builds per request: no ASGI scope is built unless the
 request goes to the ASGI app, the exchange keeps only the state the protocol reads, and the header
-and keep-alive bounds share one timer per connection (gateway/fronts/connection_timer.py) instead
+and keep-alive bounds share one timer per connection (gateway/connection_timer.py) instead
 of a timer started and cancelled per request for each (benchmarks/http_protocol_bench.py).
 
 uvicorn times out idle keep-alive connections but not a request whose headers never finish: a
@@ -47,7 +47,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from gateway.config import GatewayConfig
-from gateway.fronts.connection_timer import ConnectionTimer
+from gateway.connection_timer import ConnectionTimer
 from gateway.fronts.eager_start import start_eagerly
 from gateway.fronts.infer_exchange import COALESCE_BYTES, InferExchange, infer_target
 from gateway.state.limits import client_key
@@ -93,7 +93,7 @@ class _OneWrite:
         return getattr(self.transport, name)
 
 
-# What a connection's one timer (gateway/fronts/connection_timer.py) is waiting for.
+# What a connection's one timer (gateway/connection_timer.py) is waiting for.
 _WAIT_HEADERS: Final = 1
 _WAIT_KEEP_ALIVE: Final = 2
 

@@ -13,8 +13,8 @@ from typing import Any, Final
 
 import httptools
 
+from gateway.connection_timer import ConnectionTimer
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
-from gateway.fronts.connection_timer import ConnectionTimer
 from gateway.upstream.tls import UpstreamTls
 
 _ANSWER: Final = 1  # the connection timer's one wait: a request's answer

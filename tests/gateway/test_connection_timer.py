@@ -1,4 +1,4 @@
-"""gateway/fronts/connection_timer.py on a real event loop: each armed wait expires at its own
+"""gateway/connection_timer.py on a real event loop: each armed wait expires at its own
 deadline (never at a later one pending from an earlier wait), a disarmed wait never expires, and a
 busy connection keeps one loop timer rather than one per request."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import uvloop
 
-from gateway.fronts.connection_timer import NONE, ConnectionTimer
+from gateway.connection_timer import NONE, ConnectionTimer
 
 HEADERS, KEEP_ALIVE = 1, 2
 

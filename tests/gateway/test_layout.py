@@ -11,13 +11,15 @@ from pathlib import Path
 GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
 PACKAGES = {"fronts", "pipeline", "upstream", "fleet", "state", "operations"}
 # The process and the objects every package shares: the config, the errors, the headers that may
-# reach Triton, stopping background tasks, the Gateway itself, and what runs the process
-# (listeners, reload, workers), and which build of the hot path runs (compiled or pure).
+# reach Triton, stopping background tasks, a connection's one timer (the fronts' connections and the
+# upstream pool's), the Gateway itself, and what runs the process (listeners, reload, workers), and
+# which build of the hot path runs (compiled or pure).
 TOP_LEVEL = {
     "__init__",
     "__main__",
     "compiled_build",
     "config",
+    "connection_timer",
     "core",
     "errors",
     "forward_headers",
@@ -29,7 +31,7 @@ TOP_LEVEL = {
 # Lowest first: a module may import from its own layer's package (or module) and from layers below,
 # never from a layer above. Within a layer, the packages or modules named do not import each other.
 LAYERS: list[set[str]] = [
-    {"errors", "task_stop", "compiled_build"},
+    {"errors", "task_stop", "compiled_build", "connection_timer"},
     {"forward_headers"},
     {"config"},
     {"operations", "upstream"},  # metrics, logs, step costs; the calls to Triton

@@ -1,5 +1,5 @@
 """One timer for a connection's successive waits (a request's headers, an idle keep-alive, a gRPC
-message's body).
+message's body; upstream, each request's answer).
 
 Starting and cancelling an event-loop timer per request for each wait costs about as much as the
 rest of the protocol's own work on a request. Here `arm` only moves a deadline, and touches the
