@@ -15,10 +15,12 @@ def _answer(body: bytes, status: bytes = b"200 OK") -> bytes:
 
 
 async def _serve(
-    reply: Callable[[int], bytes], then: Callable[[int, asyncio.StreamWriter], Awaitable[None]] | None = None
+    reply: Callable[[int], bytes],
+    then: Callable[[int, asyncio.StreamWriter], Awaitable[None]] | None = None,
+    before: Callable[[int], Awaitable[None]] | None = None,
 ) -> tuple[asyncio.Server, str, list[int]]:
     """A server that answers its n-th request (over all connections) with `reply(n)`, then runs
-    `then(n, writer)` (what a misbehaving server sends next)."""
+    `then(n, writer)` (what a misbehaving server sends next); `before(n)` holds the answer back."""
     count = [0]
     connections: list[int] = []
 
@@ -34,6 +36,8 @@ async def _serve(
                 )
                 await reader.readexactly(length)
                 count[0] += 1
+                if before is not None:
+                    await before(count[0])
                 writer.write(reply(count[0]))
                 await writer.drain()
                 if then is not None:
@@ -125,33 +129,16 @@ def test_an_answer_arriving_while_the_connection_is_idle_closes_it() -> None:
     assert asyncio.run(main()) == ([b"answer-1", b"answer-2"], 2)  # the second on a new connection
 
 
-async def _serve_held(held: set[int]) -> tuple[asyncio.Server, str, dict[int, asyncio.Event]]:
-    """A server that answers its n-th request at once, or, for n in `held`, once `release[n]` is set."""
-    release = {n: asyncio.Event() for n in held}
-    count = [0]
+async def _serve_held(held: int) -> tuple[asyncio.Server, str, asyncio.Event]:
+    """A server that answers each request at once, the `held`-th once the returned event is set."""
+    release = asyncio.Event()
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
-                )
-                await reader.readexactly(length)
-                count[0] += 1
-                if count[0] in release:
-                    await release[count[0]].wait()
-                writer.write(_answer(f"answer-{count[0]}".encode()))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    async def hold(n: int) -> None:
+        if n == held:
+            await release.wait()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}", release
+    server, address, _ = await _serve(lambda n: _answer(f"answer-{n}".encode()), before=hold)
+    return server, address, release
 
 
 def test_a_shorter_bound_after_a_longer_one_on_the_same_connection_still_expires() -> None:
@@ -159,7 +146,7 @@ def test_a_shorter_bound_after_a_longer_one_on_the_same_connection_still_expires
     one before it must not wait for the earlier, later deadline."""
 
     async def main() -> tuple[bytes, str, int]:
-        server, address, release = await _serve_held({2})
+        server, address, release = await _serve_held(2)
         pool = HttpPool(address)
         try:
             first = await pool.request(b"POST", b"/x", b"{}", timeout_s=300)
@@ -170,7 +157,7 @@ def test_a_shorter_bound_after_a_longer_one_on_the_same_connection_still_expires
                     refused = str(exc)
             return first.body, refused, len(pool._idle)
         finally:
-            release[2].set()
+            release.set()
             await pool.close()
             server.close()
 
@@ -184,7 +171,7 @@ def test_an_earlier_requests_deadline_never_expires_a_later_request() -> None:
     its own: it re-arms for the second's deadline, and the second gets its answer."""
 
     async def main() -> list[bytes]:
-        server, address, release = await _serve_held({2})
+        server, address, release = await _serve_held(2)
         pool = HttpPool(address)
         try:
             first = await pool.request(b"POST", b"/x", b"{}", timeout_s=0.2)
@@ -194,7 +181,7 @@ def test_an_earlier_requests_deadline_never_expires_a_later_request() -> None:
             async with asyncio.timeout(60):
                 while conn.timer.handle_at == fired_at:  # the first deadline has passed: re-armed
                     await asyncio.sleep(0.01)
-            release[2].set()
+            release.set()
             return [first.body, (await second).body]
         finally:
             await pool.close()
