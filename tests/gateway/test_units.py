@@ -435,3 +435,40 @@ def test_the_targets_of_urls_seen_are_remembered_within_bounds() -> None:
     assert infer_target(long) == ("m" * TARGET_URL_MAX, "", long, b"")
     assert long not in infer_exchange._TARGETS
     assert infer_target(b"/v2/models/mine/infer") == mine
+
+
+def test_the_head_refuses_exactly_the_bytes_uvicorns_regex_refuses() -> None:
+    """The response head checks header values by deleting a table of bytes (`_CONTROL`, cheaper than
+    a regex search); the table must be the regex's own set, whatever uvicorn's version."""
+    from gateway.fronts.infer_exchange import _CONTROL, HEADER_VALUE_RE
+
+    assert _CONTROL == bytes(b for b in range(256) if HEADER_VALUE_RE.search(bytes([b])))
+
+
+def test_the_response_head_refuses_a_split_value_and_follows_uvicorns_renewed_defaults() -> None:
+    from gateway.fronts.infer_exchange import InferExchange
+
+    async def main() -> list[bytes | str]:
+        def exchange(defaults: list[tuple[bytes, bytes]]) -> InferExchange:
+            target = ("m", "", b"/v2/models/m/infer", b"")
+            return InferExchange(None, None, None, defaults, lambda: None, False, True, target, [], "c")
+
+        first = [(b"date", b"Mon, 07 Dec 2026 22:00:00 GMT"), (b"server", b"skewserve")]
+        second = [(b"date", b"Mon, 07 Dec 2026 22:00:01 GMT"), (b"server", b"skewserve")]
+        heads: list[bytes | str] = [
+            exchange(first)._head(200, [(b"x-tabbed", b"a\tb")], 2),
+            exchange(second)._head(200, [], 0),  # uvicorn put a new list in place: its date shows
+        ]
+        try:
+            exchange(first)._head(200, [(b"content-type", b"a"), (b"x-split", b"a\r\ninjected: 1")], 0)
+        except ValueError as exc:
+            heads.append(str(exc))
+        return heads
+
+    tabbed, renewed, refused = asyncio.run(main())
+    assert tabbed == (
+        b"HTTP/1.1 200 OK\r\ndate: Mon, 07 Dec 2026 22:00:00 GMT\r\nserver: skewserve\r\n"
+        b"x-tabbed: a\tb\r\ncontent-length: 2\r\n\r\n"
+    )
+    assert b"22:00:01" in renewed and b"22:00:00" not in renewed
+    assert refused == "invalid value of response header b'x-split'"
