@@ -89,6 +89,7 @@ COMPILED: tuple[str, ...] = (
     "gateway/state/limits.py",
     "gateway/upstream/grpc_over_http.py",
     "gateway/upstream/http_client.py",
+    "gateway/upstream/model_infer_wire.py",
     "gateway/upstream/server.py",
 )
 

@@ -303,3 +303,181 @@ def test_an_answer_with_a_nan_parameter_is_rebuilt() -> None:
         answer.model_name == "m"
         and answer.parameters["x"].double_param != answer.parameters["x"].double_param
     )
+
+
+def _plain_requests() -> list[pb.ModelInferRequest]:
+    """Requests of the plain shape and just beyond it, for the wire reader against protobuf."""
+    out = [pb.ModelInferRequest(), infer_request()]
+    for n, (name, version, request_id) in enumerate(
+        [("m", "", ""), ("model_1.v-2~x", "12", "req-1"), ("modèle", "1", "ïd"), ("a" * 200, "0", "x" * 300)]
+    ):
+        req = pb.ModelInferRequest(model_name=name, model_version=version, id=request_id)
+        for i in range(n + 1):
+            req.inputs.add(name=f"in{i}", datatype="FP32", shape=[1, 2**40, 0][: i + 1])
+            req.raw_input_contents.append(bytes(range(i * 70 % 256)) * (i + 1))
+        for i in range(n):
+            req.outputs.add(name=f"out{i}")
+        out.append(req)
+    negative = infer_request()
+    negative.inputs[0].shape[1] = -1
+    extremes = infer_request()
+    extremes.inputs[0].shape.extend([-(2**63), 2**63 - 1])
+    more_raw = infer_request()
+    more_raw.raw_input_contents.append(b"\0" * 4)
+    classified = infer_request()
+    classified.outputs.add(name="p").parameters["classification"].int64_param = 3
+    with_parameter = infer_request()
+    with_parameter.parameters["priority"].int64_param = 2
+    contents = infer_request()
+    contents.inputs[0].contents.fp32_contents.append(1.0)
+    tensor_parameter = infer_request()
+    tensor_parameter.inputs[0].parameters["x"].bool_param = True
+    return [*out, negative, extremes, more_raw, classified, with_parameter, contents, tensor_parameter]
+
+
+def test_the_wire_reader_reads_every_message_as_protobuf_does_or_leaves_it_to_protobuf() -> None:
+    """gateway/upstream/model_infer_wire.py reads the plain shape without protobuf's Python API: on
+    valid messages, on every one-byte change, cut and insertion of them, its reading (where it
+    gives one) is protobuf's, and the HTTP form built from it is the one built from protobuf's."""
+    from google.protobuf.message import DecodeError
+
+    from gateway.upstream.grpc_over_http import _http_form_by_protobuf, http_form
+    from gateway.upstream.model_infer_wire import read_plain
+
+    def agrees(message: bytes) -> bool:
+        plain = read_plain(message)
+        assert http_form(message) == _http_form_by_protobuf(message), message.hex()
+        if plain is None:
+            return False
+        try:
+            req = pb.ModelInferRequest.FromString(message)
+        except DecodeError:
+            raise AssertionError(f"read a message protobuf refuses: {message.hex()}") from None
+        assert (plain.model_name, plain.model_version, plain.id) == (
+            req.model_name,
+            req.model_version,
+            req.id,
+        )
+        assert [(t.name, t.datatype, t.shape) for t in plain.inputs] == [
+            (t.name, t.datatype, list(t.shape)) for t in req.inputs
+        ]
+        assert not any(t.parameters or t.HasField("contents") for t in req.inputs)
+        assert plain.outputs == [o.name for o in req.outputs] and not any(o.parameters for o in req.outputs)
+        assert plain.raw_input_contents == list(req.raw_input_contents) and not req.parameters
+        return True
+
+    read = 0
+    for req in _plain_requests():
+        message = req.SerializeToString()
+        plain = not (
+            req.parameters or any(t.parameters or t.HasField("contents") for t in req.inputs)
+        ) and not any(o.parameters for o in req.outputs)
+        assert agrees(message) == plain, req
+        for at in range(0, len(message), max(1, len(message) // 60)):
+            for changed in (
+                message[:at] + bytes([message[at] ^ 0x01]) + message[at + 1 :],
+                message[:at] + bytes([message[at] | 0x80]) + message[at + 1 :],
+                message[:at] + bytes([0xFF]) + message[at + 1 :],
+                message[:at],
+                message[:at] + b"\x0a\x01a" + message[at:],
+                message[:at] + b"\x18\x01" + message[at:],
+            ):
+                read += agrees(changed)
+    assert read > 100  # the mutations kept many messages plain, so both readers were compared on them
+
+    named_twice = (
+        infer_request().SerializeToString() + pb.ModelInferRequest(model_name="b").SerializeToString()
+    )
+    unpacked_shape = bytes.fromhex(
+        "2a0a0a01781204465033321801"
+    )  # inputs { name: "x" datatype: "FP32" shape: 1 }
+    not_utf8 = b"\x0a\x02\xc3\x28"
+    unknown_field = infer_request().SerializeToString() + b"\x40\x01"
+    for message in (named_twice, unpacked_shape, not_utf8, unknown_field):
+        assert read_plain(message) is None
+        assert http_form(message) == _http_form_by_protobuf(message)
+
+
+def test_the_answer_written_by_hand_is_the_one_protobuf_writes() -> None:
+    """grpc_form writes a plain answer field by field: byte for byte what protobuf writes, which
+    still writes (or refuses) every other answer."""
+    from gateway.upstream.grpc_over_http import _answer_by_protobuf, _plain_answer
+
+    def head_of(**fields: Any) -> dict[str, Any]:
+        return {"model_name": "m", "model_version": "1", **fields}
+
+    def output(name: str, shape: list[Any], size: int, **extra: Any) -> dict[str, Any]:
+        return {
+            "name": name,
+            "datatype": "FP32",
+            "shape": shape,
+            "parameters": {"binary_data_size": size},
+            **extra,
+        }
+
+    plain = [
+        (head_of(outputs=[]), b""),
+        (head_of(id="", outputs=[output("p", [1, 4], 16)]), bytes(range(16))),
+        (
+            head_of(
+                model_version="",
+                id="réq",
+                outputs=[output("", [], 0), output("ü" * 70, [-1, 2**63 - 1, 0], 300)],
+            ),
+            b"\x01" * 300,
+        ),
+        ({"model_name": "m" * 200, "model_version": "12", "parameters": {}}, b""),
+    ]
+    for head, data in plain:
+        body = json.dumps(head).encode() + data
+        size = len(body) - len(data)
+        encoded = _plain_answer(head, body, size)
+        assert encoded is not None and encoded == _answer_by_protobuf(head, body, size), head
+    not_plain = [
+        (head_of(parameters={"x": 1}, outputs=[]), b""),
+        (head_of(outputs=[output("p", [1.0], 4)]), b"\0" * 4),
+        (head_of(outputs=[output("p", [True], 4)]), b"\0" * 4),
+        (head_of(outputs=[output("p", [2**63], 4)]), b"\0" * 4),
+        (head_of(outputs=[output("p", [1], 4, data=[1])]), b"\0" * 4),
+        (head_of(outputs=[output("p", [1], 8)]), b"\0" * 4),
+        (head_of(outputs=[output("p", [1], 2)]), b"\0" * 4),
+        (head_of(id=7, outputs=[]), b""),
+        ({"model_version": "1"}, b""),
+    ]
+    for head, data in not_plain:
+        body = json.dumps(head).encode() + data
+        assert _plain_answer(head, body, len(body) - len(data)) is None, head
+
+
+def test_a_message_that_could_break_a_tensor_limit_is_walked() -> None:
+    """The walk over a message's tensors is skipped only where no limit can be broken: a message
+    one entry over the limit in any repeated field or map, however small its entries, is walked."""
+    from gateway.fronts.grpc_infer import _may_break_tensor_limits, _skeleton_bytes
+
+    limit = 3
+
+    def over(change: Callable[[pb.ModelInferRequest], object]) -> bool:
+        req = pb.ModelInferRequest()
+        change(req)
+        message = req.SerializeToString()
+        return _may_break_tensor_limits(message, _skeleton_bytes(req, len(message)), limit)
+
+    one_over = {
+        "inputs": lambda r: [r.inputs.add() for _ in range(limit + 1)],
+        "outputs": lambda r: [r.outputs.add() for _ in range(limit + 1)],
+        "raw contents": lambda r: r.raw_input_contents.extend([b"x" * 100] * (limit + 1)),
+        "parameters": lambda r: [
+            r.parameters[str(n)].MergeFrom(pb.InferParameter()) for n in range(limit + 1)
+        ],
+        "a tensor's parameters": lambda r: [
+            r.inputs.add().parameters[str(n)].MergeFrom(pb.InferParameter()) for n in range(limit + 1)
+        ],
+        "a shared-memory parameter": lambda r: (
+            r.outputs.add().parameters["shared_memory_offset"].MergeFrom(pb.InferParameter(int64_param=0))
+        ),
+    }
+    assert [why for why, change in one_over.items() if not over(change)] == []
+    # A common request under the default limit (256) is not walked, whatever its tensors' bytes.
+    req = infer_request(rows=1000)
+    message = req.SerializeToString()
+    assert not _may_break_tensor_limits(message, _skeleton_bytes(req, len(message)), 256)
