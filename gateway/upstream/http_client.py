@@ -211,8 +211,8 @@ class HttpPool:
         for k, v in headers or ():
             head += [k, b": ", v, b"\r\n"]
         head.append(b"\r\n")
-        loop = asyncio.get_running_loop()
-        conn.waiter = loop.create_future()
+        # The connection's loop: on Python 3.11 asyncio.get_running_loop() makes a getpid system call.
+        conn.waiter = conn.timer.loop.create_future()
         conn.got_bytes = False
         conn.answered = False
         assert conn.transport is not None

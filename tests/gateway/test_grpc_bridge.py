@@ -110,3 +110,30 @@ def test_a_stalled_message_is_cut_off_and_big_ones_are_bounded(tmp_path: Path) -
     assert b"grpc-status: %d" % grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] in big
     assert b"limits.max_request_bytes" in big
     assert b"limits.max_buffered_body_bytes" in second
+
+
+def test_a_grpc_timeout_is_read_as_grpcs_spec_words_it() -> None:
+    """1 to 8 ASCII digits and one unit letter (gRPC over HTTP/2, "Timeout"), read without a regex:
+    the same values pass as the pattern `^([0-9]{1,8})([HMSmun])$` lets through, and the rest is
+    refused by name."""
+    import re
+
+    import pytest
+
+    from gateway.errors import BridgeAbort
+    from gateway.fronts.grpc_bridge import parse_grpc_timeout
+
+    spec = re.compile(r"([0-9]{1,8})([HMSmun])")
+    units = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+    values = ["1n", "0S", "5S", "100m", "99999999H", "00000001u", "7M"]
+    bad = ["", "S", "5", "123456789S", "1x", "1s", "-1S", "1.5S", " 1S", "1S ", "１S", "²S", "1SS", "m5"]
+    for value in values:
+        match = spec.fullmatch(value)
+        assert match is not None and parse_grpc_timeout(value) == int(match.group(1)) * units[match.group(2)]
+    for value in bad:
+        assert spec.fullmatch(value) is None
+        with pytest.raises(BridgeAbort) as refused:
+            parse_grpc_timeout(value)
+        assert (
+            refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "grpc-timeout" in refused.value.details
+        )
