@@ -142,8 +142,9 @@ FLEET ?=
 bench-gateway-goals: setup
 	$(BIN)/python benchmarks/gateway_goals.py --rounds $(ROUNDS) $(if $(AGAINST),--against $(AGAINST)) $(if $(FLEET),--fleet $(FLEET))
 
-# The gateway's instructions per request under callgrind (benchmarks/gateway_instructions.py): a cache hit and
-# an uncached request, unmoved by the machine's load; AGAINST=NAME=DIR: another checkout too. About 1.5 minutes a row.
+# The gateway's instructions per request under callgrind (benchmarks/gateway_instructions.py): an HTTP cache hit,
+# an uncached HTTP request and an uncached gRPC call, unmoved by the machine's load; AGAINST=NAME=DIR: another
+# checkout too. About 1.5 minutes a row.
 bench-gateway-instructions: setup
 	$(BIN)/python benchmarks/gateway_instructions.py $(if $(AGAINST),--against $(AGAINST))
 

@@ -9,7 +9,9 @@ keep-alive client sends `--requests` HTTP JSON infer requests after a warm-up, e
 wrk sends them (http.client writes the head and the body apart, and whether the gateway reads them
 in one read or two then depends on timing: two reads run another path), and the count between
 the two is divided by the number of requests: a cache hit (model `bench_gwcache`) and an uncached
-request forwarded to a real Triton (model `bench`; Triton's own instructions are not counted).
+request forwarded to a real Triton (model `bench`; Triton's own instructions are not counted); and
+a gRPC ModelInfer of the same model and row, uncached, sequential calls on one HTTP/2 connection (the
+worker's count: HAProxy, which ends the client's HTTP/2 in its own process, is not counted).
 `--against NAME=DIR` measures another checkout's gateway (its sources and compiled extensions, run by
 this checkout's Python) the same way, and each row prints this build / that one.
 
@@ -36,18 +38,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gateway_bench import ROW, prepare_repository  # noqa: E402
+from benchmarks.gateway_bench import MODEL_INFER, ROW, grpc_request, prepare_repository  # noqa: E402
 from benchmarks.gateway_goals import parse_against  # noqa: E402
 from loadtests.wire import json_request  # noqa: E402
 from skewserve.gateway_process import start_gateway_process  # noqa: E402
 from skewserve.triton_process import TritonServer, TritonServerSpec  # noqa: E402
 
-MODELS = {"cache hit": "bench_gwcache", "uncached": "bench"}
+# row -> (protocol, model)
+MODELS = {
+    "cache hit": ("http", "bench_gwcache"),
+    "uncached": ("http", "bench"),
+    "gRPC uncached": ("grpc", "bench"),
+}
+CACHED_MODEL = MODELS["cache hit"][1]
 WARM_UP = 200
 
 
@@ -101,24 +110,70 @@ class OneWriteClient:
         self.sock.close()
 
 
-def _send(client: OneWriteClient, model: str, body: bytes, headers: dict[str, str], n: int) -> None:
+class HttpInfer:
+    """One JSON infer request of `model` per call, by the one-write client: None when answered 200,
+    else what went wrong."""
+
+    def __init__(self, host: str, http_port: int, grpc_port: int, model: str) -> None:
+        self.client = OneWriteClient(host, http_port, timeout_s=300)
+        self.model = model
+        self.body, self.headers = json_request(ROW)
+
+    def __call__(self) -> str | None:
+        status, answer = self.client.post(self.model, self.body, self.headers)
+        return None if status == 200 else f"HTTP {status} {answer[:200]!r}"
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class GrpcInfer:
+    """One ModelInfer call of `model` per call on one channel (grpcio, the message serialised once)."""
+
+    def __init__(self, host: str, http_port: int, grpc_port: int, model: str) -> None:
+        self.channel = grpc.insecure_channel(f"{host}:{grpc_port}")
+        self.call = self.channel.unary_unary(MODEL_INFER, request_serializer=None, response_deserializer=None)
+        self.message = grpc_request(model)
+
+    def __call__(self) -> str | None:
+        try:
+            self.call(self.message, timeout=300)
+        except grpc.RpcError as exc:
+            return f"gRPC {exc.code().name} {exc.details()}"  # type: ignore[attr-defined]
+        return None
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+CLIENTS = {"http": HttpInfer, "grpc": GrpcInfer}
+
+
+def _send(infer: HttpInfer | GrpcInfer, model: str, n: int) -> None:
     for _ in range(n):
-        status, answer = client.post(model, body, headers)
-        if status != 200:
-            raise RuntimeError(f"{model}: HTTP {status} {answer[:200]!r}")
+        failed = infer()
+        if failed is not None:
+            raise RuntimeError(f"{model}: {failed}")
 
 
-def _wait_routable(client: OneWriteClient, model: str, body: bytes, headers: dict[str, str]) -> None:
+def _wait_routable(infer: HttpInfer | GrpcInfer, model: str) -> None:
     """Until the gateway's first probe has found the model (valgrind slows its start)."""
     deadline = time.monotonic() + 300
-    while (status := client.post(model, body, headers)[0]) != 200:
+    while (failed := infer()) is not None:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{model}: still HTTP {status} after 300 s under valgrind")
+            raise RuntimeError(f"{model}: still {failed} after 300 s under valgrind")
         time.sleep(0.5)
 
 
 def count(
-    checkout: Path, triton: TritonServer, work: Path, name: str, model: str, requests: int, build: str
+    checkout: Path,
+    triton: TritonServer,
+    work: Path,
+    name: str,
+    protocol: str,
+    model: str,
+    requests: int,
+    build: str,
 ) -> float:
     """Instructions per request of one gateway of `checkout` under callgrind."""
     wrapper = work / f"{name}.sh"
@@ -132,7 +187,7 @@ def count(
         "home_region": "local",
         "listen": {"http_port": 0, "grpc_port": 0, "ops_port": 0},
         "log_json": True,
-        "cache": {"backend": "memory", "models": [MODELS["cache hit"]]},
+        "cache": {"backend": "memory", "models": [CACHED_MODEL]},
         # Probes are not requests: one at start, then none while counting.
         "health": {"interval_s": 3600.0, "timeout_s": 60.0},
         "regions": [
@@ -146,17 +201,16 @@ def count(
     config.write_text(yaml.safe_dump(cfg))
     env = {"SKEWSERVE_GATEWAY_BUILD": build, "PYTHONPATH": str(checkout)}
     gateway = start_gateway_process(config, work / f"{name}.log", timeout_s=600, env=env, python=str(wrapper))
-    body, headers = json_request(ROW)
-    conn = OneWriteClient(gateway.host, gateway.http_port, timeout_s=300)
+    infer = CLIENTS[protocol](gateway.host, gateway.http_port, gateway.grpc_port, model)
     try:
-        _wait_routable(conn, model, body, headers)
-        _send(conn, model, body, headers, WARM_UP)
+        _wait_routable(infer, model)
+        _send(infer, model, WARM_UP)
         pid = str(gateway.proc.pid)
         subprocess.run(["callgrind_control", "--zero", pid], check=True, capture_output=True)
-        _send(conn, model, body, headers, requests)
+        _send(infer, model, requests)
         subprocess.run(["callgrind_control", "--dump=measured", pid], check=True, capture_output=True)
     finally:
-        conn.close()
+        infer.close()
         gateway.proc.terminate()
         gateway.proc.wait(120)
     log = (work / f"{name}.log").read_text(errors="replace")
@@ -191,11 +245,12 @@ def main() -> None:
         repo = prepare_repository(work)
         triton = TritonServer(TritonServerSpec(repository=repo, name="a"), work / "logs").start()
         try:
-            for path, model in MODELS.items():
+            for path, (protocol, model) in MODELS.items():
                 for label, checkout in checkouts.items():
-                    n = count(checkout, triton, work, f"{label}-{model}", model, args.requests, args.build)
+                    name = f"{label}-{protocol}-{model}"
+                    n = count(checkout, triton, work, name, protocol, model, args.requests, args.build)
                     rows.append(Counted(label, path, n))
-                    print(f"{path:10s} {label:>10s} {n:12,.0f}", flush=True)
+                    print(f"{path:13s} {label:>10s} {n:12,.0f}", flush=True)
         finally:
             triton.stop()
     print()
