@@ -5,13 +5,16 @@ headers HAProxy vouches for, a stalled message is cut off, and bytes being recei
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from gateway.config import LimitsConfig
-from gateway.fronts.grpc_bridge import BridgeServer
+from gateway.errors import BridgeAbort
+from gateway.fronts.grpc_bridge import BridgeServer, parse_grpc_timeout
 
 
 async def _serve(path: Path, limits: LimitsConfig) -> BridgeServer:
@@ -116,13 +119,6 @@ def test_a_grpc_timeout_is_read_as_grpcs_spec_words_it() -> None:
     """1 to 8 ASCII digits and one unit letter (gRPC over HTTP/2, "Timeout"), read without a regex:
     the same values pass as the pattern `^([0-9]{1,8})([HMSmun])$` lets through, and the rest is
     refused by name."""
-    import re
-
-    import pytest
-
-    from gateway.errors import BridgeAbort
-    from gateway.fronts.grpc_bridge import parse_grpc_timeout
-
     spec = re.compile(r"([0-9]{1,8})([HMSmun])")
     units = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
     values = ["1n", "0S", "5S", "100m", "99999999H", "00000001u", "7M"]
