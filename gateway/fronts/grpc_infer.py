@@ -323,7 +323,9 @@ class GrpcWire:
     async def parse(self, call: Call) -> GrpcInferRequest:
         req, limits = self.req, self.limits
         assert req is not None
-        skeleton = _skeleton_bytes(req, len(self.message))
+        size = len(self.message)
+        # Both checks below need only an upper bound of the skeleton: a small message is its own.
+        skeleton = size if size <= MAX_NAME_BYTES else _skeleton_bytes(req, size)
         if _may_break_tensor_limits(self.message, skeleton, limits.max_tensors):
             _check_tensor_counts(req, limits.max_tensors)
         _check_echoed_lengths(req, skeleton)
